@@ -1,0 +1,267 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_SYSTEM: _ClassVar[Role]
+    ROLE_USER: _ClassVar[Role]
+    ROLE_ASSISTANT: _ClassVar[Role]
+
+class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODALITY_UNSPECIFIED: _ClassVar[Modality]
+    MODALITY_TEXT: _ClassVar[Modality]
+    MODALITY_AUDIO: _ClassVar[Modality]
+
+class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIO_FORMAT_UNSPECIFIED: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_PCM16: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_WAV: _ClassVar[AudioFormat]
+
+class PcmEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PCM_ENCODING_UNSPECIFIED: _ClassVar[PcmEncoding]
+    PCM_ENCODING_S16LE: _ClassVar[PcmEncoding]
+    PCM_ENCODING_F32LE: _ClassVar[PcmEncoding]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+ROLE_UNSPECIFIED: Role
+ROLE_SYSTEM: Role
+ROLE_USER: Role
+ROLE_ASSISTANT: Role
+MODALITY_UNSPECIFIED: Modality
+MODALITY_TEXT: Modality
+MODALITY_AUDIO: Modality
+AUDIO_FORMAT_UNSPECIFIED: AudioFormat
+AUDIO_FORMAT_PCM16: AudioFormat
+AUDIO_FORMAT_WAV: AudioFormat
+PCM_ENCODING_UNSPECIFIED: PcmEncoding
+PCM_ENCODING_S16LE: PcmEncoding
+PCM_ENCODING_F32LE: PcmEncoding
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP_STRING: FinishReason
+
+class Image(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class RawPcm(_message.Message):
+    __slots__ = ("data", "sample_rate", "encoding", "channels")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    sample_rate: int
+    encoding: PcmEncoding
+    channels: int
+    def __init__(self, data: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., encoding: _Optional[_Union[PcmEncoding, str]] = ..., channels: _Optional[int] = ...) -> None: ...
+
+class Audio(_message.Message):
+    __slots__ = ("file", "pcm")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    PCM_FIELD_NUMBER: _ClassVar[int]
+    file: bytes
+    pcm: RawPcm
+    def __init__(self, file: _Optional[bytes] = ..., pcm: _Optional[_Union[RawPcm, _Mapping]] = ...) -> None: ...
+
+class Video(_message.Message):
+    __slots__ = ("frames", "fps")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[Image]
+    fps: float
+    def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., fps: _Optional[float] = ...) -> None: ...
+
+class Part(_message.Message):
+    __slots__ = ("text", "image", "audio", "video")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: Image
+    audio: Audio
+    video: Video
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., audio: _Optional[_Union[Audio, _Mapping]] = ..., video: _Optional[_Union[Video, _Mapping]] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("role", "parts")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    parts: _containers.RepeatedCompositeFieldContainer[Part]
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "seed", "stop", "ignore_eos", "repetition_penalty")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    min_tokens: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "messages", "output_modalities", "voice", "sampling", "talker_sampling", "audio_format", "return_codec_codes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TALKER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_CODEC_CODES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
+    voice: str
+    sampling: SamplingParams
+    talker_sampling: SamplingParams
+    audio_format: AudioFormat
+    return_codec_codes: bool
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., talker_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., return_codec_codes: _Optional[bool] = ...) -> None: ...
+
+class TextDelta(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AudioChunk(_message.Message):
+    __slots__ = ("data", "format", "sample_rate", "index", "start_seconds", "duration_seconds", "codec_codes", "num_codebooks")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    START_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_CODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    format: AudioFormat
+    sample_rate: int
+    index: int
+    start_seconds: float
+    duration_seconds: float
+    codec_codes: _containers.RepeatedScalarFieldContainer[int]
+    num_codebooks: int
+    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[_Union[AudioFormat, str]] = ..., sample_rate: _Optional[int] = ..., index: _Optional[int] = ..., start_seconds: _Optional[float] = ..., duration_seconds: _Optional[float] = ..., codec_codes: _Optional[_Iterable[int]] = ..., num_codebooks: _Optional[int] = ...) -> None: ...
+
+class StageTiming(_message.Message):
+    __slots__ = ("stage", "seconds")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    seconds: float
+    def __init__(self, stage: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "audio_seconds", "audio_frames", "time_to_first_token_seconds", "time_to_first_audio_seconds", "timings")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    audio_seconds: float
+    audio_frames: int
+    time_to_first_token_seconds: float
+    time_to_first_audio_seconds: float
+    timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., audio_frames: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., time_to_first_audio_seconds: _Optional[float] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("reason", "usage")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    reason: FinishReason
+    usage: Usage
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "text", "audio", "finished")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: TextDelta
+    audio: AudioChunk
+    finished: Finished
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_request_bytes", "max_media_items", "max_image_pixels", "max_audio_seconds", "max_video_frames", "max_context_tokens", "max_new_tokens")
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEDIA_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_VIDEO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_request_bytes: int
+    max_media_items: int
+    max_image_pixels: int
+    max_audio_seconds: float
+    max_video_frames: int
+    max_context_tokens: int
+    max_new_tokens: int
+    def __init__(self, max_request_bytes: _Optional[int] = ..., max_media_items: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_audio_seconds: _Optional[float] = ..., max_video_frames: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model", "input_modalities", "output_modalities", "voices", "default_voice", "audio_sample_rate", "limits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    VOICES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_VOICE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    input_modalities: _containers.RepeatedScalarFieldContainer[str]
+    output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
+    voices: _containers.RepeatedScalarFieldContainer[str]
+    default_voice: str
+    audio_sample_rate: int
+    limits: Limits
+    def __init__(self, model: _Optional[str] = ..., input_modalities: _Optional[_Iterable[str]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., voices: _Optional[_Iterable[str]] = ..., default_voice: _Optional[str] = ..., audio_sample_rate: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...

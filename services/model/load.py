@@ -1,0 +1,184 @@
+"""Builds one component of a Qwen3-Omni checkpoint (thinker LM, towers, talker, code2wav) from its folder.
+
+Only the tensors a stage needs are read. Both expert layouts load: the released checkpoint's per-expert
+tensors (`experts.{E}.gate_proj.weight`, ...) and transformers' fused ones (`experts.gate_up_proj`).
+Loading is strict: a parameter the checkpoint does not cover is an error, never a silent random init.
+With `load_format="random"` no file is read: weights are drawn from a seeded generator on the device.
+"""
+
+import json
+import math
+import re
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from services.model.spec import FULL_CONFIG_PATH
+
+
+class ThinkerLM(nn.Module):
+    """The thinker's language model alone: decoder stack and lm_head, without the towers."""
+
+    def __init__(self, thinker_config):
+        super().__init__()
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
+
+        text = thinker_config.text_config
+        self.model = Qwen3OmniMoeThinkerTextModel._from_config(text)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+
+
+def _modules():
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+
+    return m
+
+
+@dataclass(frozen=True)
+class Component:
+    prefix: str
+    build: Callable
+
+
+COMPONENTS: dict[str, Component] = {
+    "thinker": Component("thinker.", lambda c: ThinkerLM(c.thinker_config)),
+    "vision": Component("thinker.visual.", lambda c: _modules().Qwen3OmniMoeVisionEncoder._from_config(c.thinker_config.vision_config)),
+    "audio": Component("thinker.audio_tower.", lambda c: _modules().Qwen3OmniMoeAudioEncoder._from_config(c.thinker_config.audio_config)),
+    "talker": Component("talker.", lambda c: _modules().Qwen3OmniMoeTalkerForConditionalGeneration._from_config(c.talker_config)),
+    "code2wav": Component("code2wav.", lambda c: _modules().Qwen3OmniMoeCode2Wav._from_config(c.code2wav_config)),
+}
+
+_PER_EXPERT = re.compile(r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def load_config(model_dir: str | Path | None):
+    """The checkpoint's config; the full-size config when no folder is given."""
+    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeConfig
+
+    path = Path(model_dir) / "config.json" if model_dir else FULL_CONFIG_PATH
+    config = Qwen3OmniMoeConfig(**json.loads(path.read_text()))
+    # transformers' talker reads the audio settings from its own config (see MODEL.md).
+    config.talker_config.audio_config = config.thinker_config.audio_config
+    return config
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_component(name: str, config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The module of a component with placeholder weights, built directly on `device` in `dtype`."""
+    with torch.device(device), _default_dtype(dtype):
+        module = COMPONENTS[name].build(config)
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down weights -> transformers' fused [E, 2I, H] gate_up_proj and [E, H, I] down_proj."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    out = {}
+    for key, t in tensors.items():
+        m = _PER_EXPERT.match(key)
+        if m:
+            groups[m["base"]][m["proj"]][int(m["e"])] = t
+        else:
+            out[key] = t
+    for base, projs in groups.items():
+        n = len(projs["down_proj"])
+        if any(sorted(projs[p]) != list(range(n)) for p in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{base}: expert tensors are incomplete")
+        gate_up = [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], dim=0) for e in range(n)]
+        out[f"{base}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{base}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
+    return out
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {model_dir}")
+    return files
+
+
+def read_tensors(model_dir: str | Path, prefix: str, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """Tensors under `prefix` (stripped) that `wanted` accepts, from every shard of the checkpoint."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in _shard_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(prefix) and wanted(key[len(prefix):]):
+                    out[key[len(prefix):]] = f.get_tensor(key)
+    return out
+
+
+def load_component(
+    name: str, model_dir: str | Path | None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    load_format: str = "auto", seed: int = 0,
+) -> nn.Module:
+    """A component ready to run: from the checkpoint folder, or seeded random weights (`load_format="random"`)."""
+    config = load_config(model_dir)
+    module = build_component(name, config, device, dtype)
+    if load_format == "random":
+        init_weights_(module, component_seed(seed, name), conv_gain=0.6 if name == "code2wav" else 1.0)
+        return module
+    children = {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
+    tensors = read_tensors(model_dir, COMPONENTS[name].prefix, lambda k: k.split(".", 1)[0] in children)
+    state = fuse_experts(tensors)
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{name}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for key, t in state.items():
+        if t.shape != expected[key].shape:
+            raise ValueError(f"{name}: {key} has shape {tuple(t.shape)}, model expects {tuple(expected[key].shape)}")
+    module.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    return module
+
+
+def component_seed(seed: int, name: str) -> int:
+    return seed * 1000 + sorted(COMPONENTS).index(name)
+
+
+@torch.no_grad()
+def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0) -> None:
+    """Draws every parameter from one seeded generator on the module's device, in name order.
+
+    Norm weights start at 1, biases near 0, every other tensor ~ N(0, 1/fan_in); convolutions are scaled
+    by `conv_gain`. The same seed gives the same weights wherever the same module is built.
+    """
+    params = sorted(module.named_parameters(), key=lambda kv: kv[0])
+    device = params[0][1].device
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+
+    for name, p in params:
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name and leaf in ("weight", "gamma"):
+            p.fill_(1.0)
+        elif leaf in ("bias", "beta"):
+            p.copy_(randn(p.shape) * 0.02)
+        elif leaf == "scale":
+            p.fill_(0.1)
+        else:
+            is_conv = p.dim() == 3 and "experts" not in name
+            fan_in = p[0].numel() if is_conv else p.shape[-1]
+            p.copy_(randn(p.shape) * (conv_gain if is_conv else 1.0) / math.sqrt(fan_in))

@@ -1,0 +1,62 @@
+"""The facts about a Qwen3-Omni checkpoint that the stages share, read from its config.json."""
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+FULL_CONFIG_PATH = Path(__file__).with_name("qwen3-omni-30b-a3b-instruct.config.json")
+
+
+@dataclass(frozen=True)
+class OmniSpec:
+    raw: dict
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "OmniSpec":
+        path = Path(model_dir)
+        return cls(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
+
+    @property
+    def thinker(self) -> dict:
+        return self.raw["thinker_config"]
+
+    @property
+    def talker(self) -> dict:
+        return self.raw["talker_config"]
+
+    @property
+    def has_talker(self) -> bool:
+        return bool(self.raw.get("enable_audio_output", True)) and "talker_config" in self.raw
+
+    @cached_property
+    def voices(self) -> dict[str, int]:
+        return dict(self.talker.get("speaker_id") or {}) if self.has_talker else {}
+
+    @property
+    def default_voice(self) -> str:
+        return "ethan" if "ethan" in self.voices else next(iter(sorted(self.voices)), "")
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return self.thinker["vision_config"]["spatial_merge_size"]
+
+    @property
+    def position_id_per_seconds(self) -> int:
+        return self.thinker["position_id_per_seconds"]
+
+    @property
+    def n_window(self) -> int:
+        return self.thinker["audio_config"]["n_window"]
+
+    @property
+    def thinker_hidden(self) -> int:
+        return self.thinker["text_config"]["hidden_size"]
+
+    @property
+    def max_positions(self) -> int:
+        return self.thinker["text_config"]["max_position_embeddings"]
+
+    def token(self, name: str) -> int:
+        """A token id by its config name, e.g. 'image_token_id', 'im_start_token_id'."""
+        return self.raw[name] if name in self.raw else self.thinker[name]
