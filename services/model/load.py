@@ -157,13 +157,25 @@ def component_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0) -> None:
+def init_full_model_(model: nn.Module, seed: int) -> None:
+    """Gives a whole transformers Qwen3-Omni the weights `load_component(..., load_format="random")` gives
+    each of its components, so the transformers baseline and our stages run the same model."""
+    init_weights_(model.thinker, component_seed(seed, "thinker"), skip=("visual.", "audio_tower."))
+    init_weights_(model.thinker.visual, component_seed(seed, "vision"))
+    init_weights_(model.thinker.audio_tower, component_seed(seed, "audio"))
+    if getattr(model, "has_talker", False):
+        init_weights_(model.talker, component_seed(seed, "talker"))
+        init_weights_(model.code2wav, component_seed(seed, "code2wav"), conv_gain=0.6)
+
+
+@torch.no_grad()
+def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tuple[str, ...] = ()) -> None:
     """Draws every parameter from one seeded generator on the module's device, in name order.
 
     Norm weights start at 1, biases near 0, every other tensor ~ N(0, 1/fan_in); convolutions are scaled
     by `conv_gain`. The same seed gives the same weights wherever the same module is built.
     """
-    params = sorted(module.named_parameters(), key=lambda kv: kv[0])
+    params = sorted(((n, p) for n, p in module.named_parameters() if not n.startswith(skip)), key=lambda kv: kv[0])
     device = params[0][1].device
     gen = torch.Generator(device=device).manual_seed(seed)
 

@@ -1,10 +1,14 @@
-"""A tiny random-weight Qwen3-Omni, built deterministically, saved as a normal checkpoint folder.
+"""Model folders the project builds for itself, deterministically.
 
-Every component of the real model is there (both towers, thinker MoE, talker MoE with its shared
-expert, code predictor, code2wav with the real upsampling), with a byte-level tokenizer carrying
-the real special tokens and the real processor settings. Tests and the CPU mesh run on it.
+`tiny`: a tiny random-weight Qwen3-Omni saved as a normal checkpoint folder. Every component of the
+real model is there (both towers, thinker MoE, talker MoE with its shared expert, code predictor,
+code2wav with the real upsampling), with a byte-level tokenizer carrying the special tokens and the
+real processor settings. Tests and the CPU mesh run on it.
 
-    python -m services.model.tiny OUT_DIR [--seed 0]
+`full`: the real model's config, a tokenizer with the real special-token ids and the real processor
+settings, and no weights: stages load it with `load_format: random` (benchmarks; no checkpoint needed).
+
+    python -m services.model.build {tiny,full} OUT_DIR [--seed 0]
 """
 
 import argparse
@@ -44,21 +48,40 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
-    """Byte-level BPE over the 256 ByteLevel symbols, merges only for the role words, real special tokens."""
+# Ids of the released tokenizer: the full-size skeleton keeps them, the tiny one numbers its own.
+REAL_IDS = {
+    "<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+    "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656,
+    "<|audio_start|>": 151669, "<|audio_end|>": 151670, "<|audio_pad|>": 151675,
+    "<tts_pad>": 151671, "<tts_text_bos>": 151672, "<tts_text_eod>": 151673,
+    "system": 8948, "user": 872, "assistant": 77091,
+}
+
+
+def build_tokenizer(real_ids: bool = False, vocab_size: int = 0):
+    """Byte-level BPE over the 256 ByteLevel symbols with merges only for the role words, and the
+    special tokens. With `real_ids`, every named token takes its released id and the rest of the
+    vocabulary up to `vocab_size` is filled with tokens no text produces."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import Qwen2Tokenizer
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_symbols = sorted(alphabet, key=lambda s: ord(s))
+    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord)
     vocab = {s: i for i, s in enumerate(byte_symbols)}
+    fixed = REAL_IDS if real_ids else {}
+    taken = set(fixed.values())
+    next_id = iter(i for i in range(len(vocab), 1 << 30) if i not in taken)
     merges = []
     for word in ROLE_WORDS:
         for end in range(2, len(word) + 1):
             left, piece = word[: end - 1], word[:end]
             if piece not in vocab:
                 merges.append((left, word[end - 1]))
-                vocab[piece] = len(vocab)
+                vocab[piece] = fixed.get(piece) if piece in fixed else next(next_id)
+    for token in SPECIAL_TOKENS:
+        vocab[token] = fixed.get(token) if token in fixed else next(next_id)
+    if real_ids:
+        used = set(vocab.values())
+        vocab.update({f"<|unused_{i}|>": i for i in range(vocab_size) if i not in used})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -151,8 +174,26 @@ def _set_waveform_level_(code2wav, seed: int, level: float = 0.15) -> None:
     last.weight.mul_(scale)
 
 
-def build(out_dir: str | Path, seed: int = 0) -> Path:
-    from transformers import Qwen2VLImageProcessor, WhisperFeatureExtractor
+def _save_processors(out: Path) -> None:
+    from transformers import WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        size={"shortest_edge": 3136, "longest_edge": 12845056},
+    )
+    feature_extractor = WhisperFeatureExtractor(
+        feature_size=128, sampling_rate=16000, hop_length=160, n_fft=400, chunk_length=30,
+        padding_value=0.0, return_attention_mask=True,
+    )
+    # The released checkpoint keeps both processors' settings in one preprocessor_config.json.
+    merged = {**json.loads(feature_extractor.to_json_string()), **json.loads(image_processor.to_json_string())}
+    merged.pop("mel_filters", None)
+    merged["image_processor_type"] = "Qwen2VLImageProcessor"
+    (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+
+
+def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     from transformers.models.qwen3_omni_moe import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     out = Path(out_dir)
@@ -167,28 +208,28 @@ def build(out_dir: str | Path, seed: int = 0) -> Path:
     _set_waveform_level_(model.code2wav, seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    image_processor = Qwen2VLImageProcessor(
-        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-        min_pixels=3136, max_pixels=12845056,
-        size={"shortest_edge": 3136, "longest_edge": 12845056},
-    )
-    feature_extractor = WhisperFeatureExtractor(
-        feature_size=128, sampling_rate=16000, hop_length=160, n_fft=400, chunk_length=30,
-        padding_value=0.0, return_attention_mask=True,
-    )
-    # The released checkpoint keeps both processors' settings in one preprocessor_config.json.
-    merged = {**json.loads(feature_extractor.to_json_string()), **json.loads(image_processor.to_json_string())}
-    merged.pop("mel_filters", None)
-    (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+    _save_processors(out)
+    return out
+
+
+def build_full_skeleton(out_dir: str | Path) -> Path:
+    """The full-size model's folder without weights, for `load_format: random`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads(Path(FULL_CONFIG_PATH).read_text())
+    build_tokenizer(real_ids=True, vocab_size=config["thinker_config"]["text_config"]["vocab_size"]).save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _save_processors(out)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=["tiny", "full"])
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(build(args.out_dir, args.seed))
+    print(build_tiny(args.out_dir, args.seed) if args.kind == "tiny" else build_full_skeleton(args.out_dir))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,200 @@
+"""The one typed configuration of a mesh, shared by every process of it, validated when loaded."""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Replica:
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    # Address the server listens on; empty: the host itself for loopback hosts, all interfaces otherwise.
+    bind: str = ""
+    device: str = "cpu"
+    # Output modalities whose requests this replica is preferred for (encoder routing).
+    prefer_for: list[Literal["text", "audio"]] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def bind_address(self) -> str:
+        bind = self.bind or (self.host if self.host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0")
+        return f"{bind}:{self.port}"
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    load_format: Literal["auto", "random"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+    name: str = "qwen3-omni"
+
+    @property
+    def dir(self) -> Path | None:
+        if not self.path:
+            return None
+        p = Path(self.path)
+        return p if p.is_absolute() else REPO_ROOT / p
+
+
+@dataclass
+class Limits:
+    max_request_bytes: int = 64 << 20
+    max_media_items: int = 16
+    max_image_pixels: int = 12_845_056
+    max_audio_seconds: float = 600.0
+    max_video_frames: int = 128
+    max_new_tokens: int = 8192
+    max_talker_frames: int = 8192
+    # 0: the model's own maximum.
+    max_context_tokens: int = 0
+
+
+@dataclass
+class SamplingDefaults:
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    max_tokens: int = 512
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class TransportConfig:
+    # Share tensors through /dev/shm between processes of one host; off: always inline bytes.
+    shm: bool = True
+    pool_bytes: int = 256 << 20
+    max_slots: int = 4096
+    # A slot its consumer never released is reclaimed after this long.
+    reclaim_after_s: float = 60.0
+
+
+@dataclass
+class GatewayConfig:
+    replicas: list[Replica] = field(default_factory=lambda: [Replica(port=50051, metrics_port=9100)])
+    thinker: SamplingDefaults = field(default_factory=SamplingDefaults)
+    talker: SamplingDefaults = field(
+        default_factory=lambda: SamplingDefaults(temperature=0.9, top_p=1.0, top_k=50, max_tokens=4096, repetition_penalty=1.05)
+    )
+    # encoder routing: by the request's output modality then load, or by load alone.
+    encoder_routing: Literal["modality", "least_loaded"] = "modality"
+
+
+@dataclass
+class PreprocessConfig:
+    replicas: list[Replica] = field(default_factory=list)
+    workers: int = 2
+
+
+@dataclass
+class EncoderConfig:
+    replicas: list[Replica] = field(default_factory=list)
+    engine: Literal["reference"] = "reference"
+
+
+@dataclass
+class ThinkerConfig:
+    replicas: list[Replica] = field(default_factory=list)
+    engine: Literal["reference"] = "reference"
+
+
+@dataclass
+class TalkerConfig:
+    replicas: list[Replica] = field(default_factory=list)
+    engine: Literal["reference"] = "reference"
+    # Streaming code2wav: a small first chunk for a low time to first audio, then chunks with left context.
+    first_chunk_frames: int = 5
+    chunk_frames: int = 25
+    left_context_frames: int = 25
+
+
+@dataclass
+class MeshConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    limits: Limits = field(default_factory=Limits)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    thinker: ThinkerConfig = field(default_factory=ThinkerConfig)
+    talker: TalkerConfig = field(default_factory=TalkerConfig)
+
+    STAGES: typing.ClassVar = ("gateway", "preprocess", "encoder", "thinker", "talker")
+
+    def replicas(self, stage: str) -> list[Replica]:
+        return getattr(self, stage).replicas
+
+    def validate(self) -> "MeshConfig":
+        for stage in ("gateway", "preprocess", "encoder", "thinker"):
+            if not self.replicas(stage):
+                raise ConfigError(f"{stage}: at least one replica is required")
+        seen: dict[tuple[str, int], str] = {}
+        for stage in self.STAGES:
+            for i, r in enumerate(self.replicas(stage)):
+                for port in (r.port, r.metrics_port):
+                    if not 0 < port < 65536:
+                        raise ConfigError(f"{stage}.replicas[{i}]: port {port} out of range")
+                    if (r.host, port) in seen:
+                        raise ConfigError(f"{stage}.replicas[{i}]: {r.host}:{port} already used by {seen[r.host, port]}")
+                    seen[r.host, port] = f"{stage}.replicas[{i}]"
+        if self.model.load_format == "auto" and not self.model.path:
+            raise ConfigError("model.path is required unless model.load_format is 'random'")
+        return self
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(tp, value, where: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        names = {f.name: f for f in dataclasses.fields(tp)}
+        unknown = set(value) - set(names)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+        hints = typing.get_type_hints(tp)
+        return tp(**{k: _coerce(hints[k], v, f"{where}.{k}") for k, v in value.items()})
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _coerce(option, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def load_config(path: str | Path) -> MeshConfig:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    return _coerce(MeshConfig, data, Path(path).name).validate()

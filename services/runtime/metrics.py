@@ -1,0 +1,118 @@
+"""Prometheus metrics every stage exports, and the decorator that counts each RPC by its status."""
+
+import asyncio
+import functools
+import inspect
+import logging
+import time
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.runtime.errors import OmniError
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+REQUESTS = Counter("omni_requests", "RPCs served, by final status", ["stage", "method", "code"])
+LATENCY = Histogram("omni_request_seconds", "RPC duration", ["stage", "method"], buckets=_LATENCY_BUCKETS)
+INFLIGHT = Gauge("omni_inflight_requests", "RPCs in progress", ["stage", "method"])
+STEP = Histogram("omni_step_seconds", "Engine step duration", ["stage", "kind"], buckets=_STEP_BUCKETS)
+ACTIVE = Gauge("omni_active_sequences", "Requests holding engine state (KV cache, talker state)", ["stage"])
+QUEUED = Gauge("omni_queued_requests", "Requests waiting for the engine", ["stage"])
+TOKENS = Counter("omni_generated_tokens", "Tokens (thinker) or frames (talker) produced", ["stage"])
+
+TRANSPORT_BYTES = Counter("omni_transport_bytes", "Tensor bytes handed over", ["transport", "direction"])
+TRANSPORT_TRANSFERS = Counter("omni_transport_transfers", "Tensors handed over", ["transport", "direction"])
+SHM_SLOTS = Gauge("omni_shm_slots_in_use", "Shared-memory slots allocated and not yet released")
+SHM_BYTES = Gauge("omni_shm_bytes_in_use", "Shared-memory bytes allocated and not yet released")
+SHM_RECLAIMED = Counter("omni_shm_slots_reclaimed", "Slots reclaimed after their consumer never released them")
+SHM_FALLBACKS = Counter("omni_shm_fallbacks", "Tensors sent inline because the pool was full")
+
+STAGE = "unknown"
+
+
+def set_stage(name: str) -> None:
+    global STAGE
+    STAGE = name
+
+
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, OmniError):
+        return exc.code
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code()
+    if isinstance(exc, grpc.aio.AbortError):
+        return grpc.StatusCode.UNKNOWN
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context, exc: BaseException):
+    if isinstance(exc, OmniError):
+        await context.abort(exc.code, str(exc))
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A downstream stage failed: pass its status and message on.
+        await context.abort(exc.code(), exc.details() or "")
+    log.exception("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def rpc(fn):
+    """Wraps a servicer method (unary or streaming): metrics by status, OmniError -> gRPC status."""
+    method = fn.__name__
+    labels = dict(stage=None, method=method)
+
+    def start():
+        labels["stage"] = STAGE
+        INFLIGHT.labels(STAGE, method).inc()
+        return time.perf_counter()
+
+    def finish(t0: float, code: grpc.StatusCode, context) -> None:
+        if code == grpc.StatusCode.OK and context.cancelled():
+            code = grpc.StatusCode.CANCELLED
+        INFLIGHT.labels(STAGE, method).dec()
+        LATENCY.labels(STAGE, method).observe(time.perf_counter() - t0)
+        REQUESTS.labels(STAGE, method, code.name).inc()
+
+    if inspect.isasyncgenfunction(fn):
+        @functools.wraps(fn)
+        async def stream(self, request, context):
+            t0, code = start(), grpc.StatusCode.OK
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                code = grpc.StatusCode.UNKNOWN
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
+                code = grpc.StatusCode.CANCELLED if _is_cancel(exc) else _status_of(exc)
+                if code == grpc.StatusCode.CANCELLED:
+                    raise
+                await _abort(context, exc)
+            finally:
+                finish(t0, code, context)
+        return stream
+
+    @functools.wraps(fn)
+    async def unary(self, request, context):
+        t0, code = start(), grpc.StatusCode.OK
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            code = grpc.StatusCode.UNKNOWN
+            raise
+        except BaseException as exc:  # noqa: BLE001
+            code = grpc.StatusCode.CANCELLED if _is_cancel(exc) else _status_of(exc)
+            if code == grpc.StatusCode.CANCELLED:
+                raise
+            await _abort(context, exc)
+        finally:
+            finish(t0, code, context)
+    return unary
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    # GeneratorExit: the caller went away while a stream was being produced.
+    return isinstance(exc, (asyncio.CancelledError, GeneratorExit))

@@ -1,0 +1,87 @@
+"""Starts one stage process: a grpc.aio server with health, reflection and a Prometheus endpoint.
+
+    python -m services.<stage> --config FILE [--replica N]
+"""
+
+import argparse
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from services.runtime import metrics
+from services.runtime.config import MeshConfig, load_config
+
+log = logging.getLogger(__name__)
+
+# Stages hand tensors inline when they cannot share memory; the gateway's own limit is the request size.
+STAGE_MESSAGE_BYTES = 1 << 30
+
+
+@dataclass
+class Stage:
+    """What a stage registered on the server, and what to run when it stops."""
+    services: list[str]
+    close: Callable[[], Awaitable[None]] | None = None
+
+
+Builder = Callable[[MeshConfig, int, grpc.aio.Server], Awaitable[Stage]]
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", STAGE_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_message_bytes: int = STAGE_MESSAGE_BYTES) -> None:
+    r = cfg.replicas(stage)[replica]
+    metrics.set_stage(stage)
+    start_http_server(r.metrics_port, addr=r.bind_address.rsplit(":", 1)[0])
+    server = grpc.aio.server(options=grpc_options(max_message_bytes))
+    built = await build(cfg, replica, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*built.services, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    if server.add_insecure_port(r.bind_address) == 0:
+        raise RuntimeError(f"{stage}: cannot listen on {r.bind_address}")
+    await server.start()
+    for name in ["", *built.services]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s[%d] serving on %s (metrics :%d)", stage, replica, r.bind_address, r.metrics_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s[%d] stopping", stage, replica)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=3)
+    if built.close is not None:
+        await built.close()
+
+
+def main(stage: str, build: Builder, max_message_bytes: Callable[[MeshConfig], int] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m services.{stage}")
+    parser.add_argument("--config", required=True, help="mesh config (YAML)")
+    parser.add_argument("--replica", type=int, default=0, help="which replica of this stage in the config")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {stage}[{args.replica}] %(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    cfg = load_config(args.config)
+    if not 0 <= args.replica < len(cfg.replicas(stage)):
+        parser.error(f"--replica {args.replica}: the config lists {len(cfg.replicas(stage))} {stage} replica(s)")
+    limit = max_message_bytes(cfg) if max_message_bytes else STAGE_MESSAGE_BYTES
+    asyncio.run(serve(stage, cfg, args.replica, build, limit))

@@ -1,0 +1,259 @@
+"""Tensors between stages: by reference through a shared-memory pool on one host, inline bytes otherwise.
+
+The producer owns one pool per process, a file in /dev/shm holding a slot table and a data region.
+A TensorRef names (pool, slot, generation, offset, bytes). The consumer maps each pool once, copies the
+tensor out and marks the slot released in the table; the producer frees released slots, and reclaims
+slots nobody released (a consumer that died, a request cancelled in between) after `reclaim_after_s`.
+Stage code calls `put` and `get` and never branches on the transport.
+"""
+
+import atexit
+import logging
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omni.stage.v1 import tensor_pb2
+from services.runtime import metrics
+from services.runtime.config import TransportConfig
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+_ALIGN = 64
+_SLOT = np.dtype([("generation", "<u4"), ("released", "<u4"), ("offset", "<u8"), ("nbytes", "<u8"), ("t_alloc", "<f8")])
+
+DTYPES = {
+    torch.float32: tensor_pb2.DTYPE_FLOAT32, torch.float16: tensor_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16, torch.int64: tensor_pb2.DTYPE_INT64,
+    torch.int32: tensor_pb2.DTYPE_INT32, torch.int16: tensor_pb2.DTYPE_INT16, torch.uint8: tensor_pb2.DTYPE_UINT8,
+}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+def host_id() -> str:
+    """Identity of the shared-memory domain: same boot and same IPC namespace means same /dev/shm."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ns = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        return ""
+    return f"{boot}/{ns}"
+
+
+class ShmPool:
+    """A producer's pool: a slot table and a first-fit allocator over one /dev/shm file."""
+
+    def __init__(self, name: str, size: int, max_slots: int, reclaim_after_s: float):
+        self.name, self.reclaim_after_s = name, reclaim_after_s
+        self.path = SHM_DIR / name
+        header = -(-max_slots * _SLOT.itemsize // _ALIGN) * _ALIGN
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, header + size)
+            self._mm = mmap.mmap(fd, header + size)
+        finally:
+            os.close(fd)
+        self.table = np.ndarray((max_slots,), dtype=_SLOT, buffer=self._mm)
+        self.table[:] = 0
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._live: set[int] = set()
+        self._free = [(header, size)]  # (offset, nbytes), sorted, coalesced
+        self._lock = threading.Lock()
+        self._closed = False
+        self._sweeper = threading.Thread(target=self._sweep_forever, name=f"{name}-sweep", daemon=True)
+        self._sweeper.start()
+        atexit.register(self.close)
+
+    def alloc(self, nbytes: int) -> tuple[int, int, int] | None:
+        """(slot, generation, offset) for `nbytes`, or None when the pool is full."""
+        need = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        with self._lock:
+            self._sweep_locked()
+            if not self._free_slots:
+                return None
+            for i, (off, size) in enumerate(self._free):
+                if size >= need:
+                    self._free[i:i + 1] = [(off + need, size - need)] if size > need else []
+                    slot = self._free_slots.pop()
+                    entry = self.table[slot]
+                    gen = (int(entry["generation"]) + 1) & 0xFFFFFFFF or 1
+                    entry["offset"], entry["nbytes"], entry["t_alloc"] = off, need, time.monotonic()
+                    entry["generation"] = gen
+                    self._live.add(slot)
+                    self._update_gauges()
+                    return slot, gen, off
+            return None
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        flat = data.contiguous().view(torch.uint8).reshape(-1)
+        torch.frombuffer(self._mm, dtype=torch.uint8, count=flat.numel(), offset=offset).copy_(flat)
+
+    def sweep(self) -> None:
+        with self._lock:
+            self._sweep_locked()
+
+    def _sweep_locked(self) -> None:
+        now = time.monotonic()
+        for slot in list(self._live):
+            entry = self.table[slot]
+            released = entry["released"] == entry["generation"]
+            if released or now - entry["t_alloc"] > self.reclaim_after_s:
+                if not released:
+                    metrics.SHM_RECLAIMED.inc()
+                    log.warning("reclaimed shm slot %d of %s: never released", slot, self.name)
+                self._release_locked(slot)
+        self._update_gauges()
+
+    def _release_locked(self, slot: int) -> None:
+        entry = self.table[slot]
+        off, size = int(entry["offset"]), int(entry["nbytes"])
+        entry["released"] = entry["generation"]
+        self._live.discard(slot)
+        self._free_slots.append(slot)
+        free = sorted(self._free + [(off, size)])
+        merged = [free[0]]
+        for o, s in free[1:]:
+            lo, ls = merged[-1]
+            if lo + ls == o:
+                merged[-1] = (lo, ls + s)
+            else:
+                merged.append((o, s))
+        self._free = merged
+
+    def _update_gauges(self) -> None:
+        metrics.SHM_SLOTS.set(len(self._live))
+        metrics.SHM_BYTES.set(sum(int(self.table[s]["nbytes"]) for s in self._live))
+
+    @property
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def _sweep_forever(self) -> None:
+        period = max(0.05, min(1.0, self.reclaim_after_s / 4))
+        while not self._closed:
+            time.sleep(period)
+            if not self._closed:
+                self.sweep()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class _PoolView:
+    """A consumer's mapping of another process's pool, opened once."""
+
+    def __init__(self, name: str):
+        if not name.startswith("omni-") or "/" in name:
+            raise ValueError(f"not a tensor pool: {name!r}")
+        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+
+    def entry(self, slot: int):
+        return np.ndarray((), dtype=_SLOT, buffer=self.mm, offset=slot * _SLOT.itemsize)
+
+
+class Transport:
+    """put() on the producer side, get() on the consumer side."""
+
+    def __init__(self, cfg: TransportConfig, owner: str):
+        self.cfg, self.owner = cfg, owner
+        self.host_id = host_id() if cfg.shm else ""
+        self._pool: ShmPool | None = None
+        self._views: dict[str, _PoolView] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def placement(self) -> tensor_pb2.Placement:
+        """Where this process reads tensors from, for producers to pick a transport."""
+        return tensor_pb2.Placement(host_id=self.host_id)
+
+    @property
+    def pool(self) -> ShmPool:
+        with self._lock:
+            if self._pool is None:
+                name = f"omni-{self.owner}-{os.getpid()}"
+                self._pool = ShmPool(name, self.cfg.pool_bytes, self.cfg.max_slots, self.cfg.reclaim_after_s)
+            return self._pool
+
+    def put(self, tensor: torch.Tensor, placement: tensor_pb2.Placement | None) -> tensor_pb2.TensorRef:
+        tensor = tensor.detach()
+        if tensor.dtype not in DTYPES:
+            raise TypeError(f"unsupported dtype {tensor.dtype}")
+        ref = tensor_pb2.TensorRef(dtype=DTYPES[tensor.dtype], shape=list(tensor.shape))
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.host_id and placement is not None and placement.host_id == self.host_id:
+            got = self.pool.alloc(nbytes)
+            if got is not None:
+                slot, gen, offset = got
+                self.pool.write(offset, tensor.cpu())
+                ref.shm.CopyFrom(tensor_pb2.ShmSlot(pool=self.pool.name, slot=slot, generation=gen, offset=offset, nbytes=nbytes))
+                metrics.TRANSPORT_BYTES.labels("shm", "out").inc(nbytes)
+                metrics.TRANSPORT_TRANSFERS.labels("shm", "out").inc()
+                return ref
+            metrics.SHM_FALLBACKS.inc()
+        ref.inline_data = tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        metrics.TRANSPORT_BYTES.labels("inline", "out").inc(nbytes)
+        metrics.TRANSPORT_TRANSFERS.labels("inline", "out").inc()
+        return ref
+
+    def get(self, ref: tensor_pb2.TensorRef, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The tensor a ref names, in this process's memory; a shared-memory slot is released once read."""
+        dtype = TORCH_DTYPES.get(ref.dtype)
+        if dtype is None:
+            raise ValueError(f"TensorRef has unknown dtype {ref.dtype}")
+        shape = tuple(ref.shape)
+        count = int(np.prod(shape)) if shape else 1
+        where = ref.WhichOneof("location")
+        if where == "inline_data":
+            if len(ref.inline_data) != count * dtype.itemsize:
+                raise ValueError(f"TensorRef inline data has {len(ref.inline_data)} bytes, shape {shape} needs {count * dtype.itemsize}")
+            out = torch.frombuffer(bytearray(ref.inline_data), dtype=dtype, count=count).reshape(shape)
+            metrics.TRANSPORT_BYTES.labels("inline", "in").inc(len(ref.inline_data))
+            metrics.TRANSPORT_TRANSFERS.labels("inline", "in").inc()
+            return out.to(device)
+        if where == "shm":
+            s = ref.shm
+            view = self._view(s.pool)
+            entry = view.entry(s.slot)
+            if int(entry["generation"]) != s.generation:
+                raise ValueError(f"shm slot {s.pool}/{s.slot} was reclaimed before it was read")
+            src = torch.frombuffer(view.mm, dtype=dtype, count=count, offset=s.offset).reshape(shape)
+            out = src.to(device, copy=True)
+            entry["released"] = s.generation
+            metrics.TRANSPORT_BYTES.labels("shm", "in").inc(s.nbytes)
+            metrics.TRANSPORT_TRANSFERS.labels("shm", "in").inc()
+            return out
+        raise ValueError("TensorRef has no location")
+
+    def release(self, ref: tensor_pb2.TensorRef) -> None:
+        """Gives a slot back without reading it (a request was dropped)."""
+        if ref.WhichOneof("location") == "shm":
+            entry = self._view(ref.shm.pool).entry(ref.shm.slot)
+            if int(entry["generation"]) == ref.shm.generation:
+                entry["released"] = ref.shm.generation
+
+    def _view(self, pool: str) -> _PoolView:
+        with self._lock:
+            if pool not in self._views:
+                self._views[pool] = _PoolView(pool)
+            return self._views[pool]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
