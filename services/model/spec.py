@@ -60,3 +60,11 @@ class OmniSpec:
     def token(self, name: str) -> int:
         """A token id by its config name, e.g. 'image_token_id', 'im_start_token_id'."""
         return self.raw[name] if name in self.raw else self.thinker[name]
+
+
+def audio_tokens(feature_length: int, n_window: int = 50) -> int:
+    """Tokens the audio tower makes of `feature_length` mel frames (100 per second): 1 s -> 13."""
+    chunk = n_window * 2
+    rest = feature_length % chunk
+    feat = (rest - 1) // 2 + 1
+    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (feature_length // chunk) * 13

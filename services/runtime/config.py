@@ -20,6 +20,8 @@ class Replica:
     # Address the server listens on; empty: the host itself for loopback hosts, all interfaces otherwise.
     bind: str = ""
     device: str = "cpu"
+    # Replicas with the same domain share /dev/shm (one host, one IPC namespace) and hand tensors over by reference.
+    shm_domain: str = "local"
     # Output modalities whose requests this replica is preferred for (encoder routing).
     prefer_for: list[Literal["text", "audio"]] = field(default_factory=list)
 

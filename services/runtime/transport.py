@@ -36,16 +36,6 @@ DTYPES = {
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
-def host_id() -> str:
-    """Identity of the shared-memory domain: same boot and same IPC namespace means same /dev/shm."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        ns = os.readlink("/proc/self/ns/ipc")
-    except OSError:
-        return ""
-    return f"{boot}/{ns}"
-
-
 class ShmPool:
     """A producer's pool: a slot table and a first-fit allocator over one /dev/shm file."""
 
@@ -171,17 +161,12 @@ class _PoolView:
 class Transport:
     """put() on the producer side, get() on the consumer side."""
 
-    def __init__(self, cfg: TransportConfig, owner: str):
+    def __init__(self, cfg: TransportConfig, owner: str, shm_domain: str):
         self.cfg, self.owner = cfg, owner
-        self.host_id = host_id() if cfg.shm else ""
+        self.shm_domain = shm_domain if cfg.shm else ""
         self._pool: ShmPool | None = None
         self._views: dict[str, _PoolView] = {}
         self._lock = threading.Lock()
-
-    @property
-    def placement(self) -> tensor_pb2.Placement:
-        """Where this process reads tensors from, for producers to pick a transport."""
-        return tensor_pb2.Placement(host_id=self.host_id)
 
     @property
     def pool(self) -> ShmPool:
@@ -197,7 +182,7 @@ class Transport:
             raise TypeError(f"unsupported dtype {tensor.dtype}")
         ref = tensor_pb2.TensorRef(dtype=DTYPES[tensor.dtype], shape=list(tensor.shape))
         nbytes = tensor.numel() * tensor.element_size()
-        if self.host_id and placement is not None and placement.host_id == self.host_id:
+        if self.shm_domain and placement is not None and placement.shm_domain == self.shm_domain:
             got = self.pool.alloc(nbytes)
             if got is not None:
                 slot, gen, offset = got

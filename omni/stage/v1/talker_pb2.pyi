@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TalkerStart(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "layout", "voice", "sampling")
+    __slots__ = ("request_id", "prompt_ids", "layout", "voice", "sampling", "tts_embeds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     VOICE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TTS_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     layout: _common_pb2.MediaLayout
     voice: str
     sampling: _common_pb2.Sampling
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[_common_pb2.MediaLayout, _Mapping]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ...) -> None: ...
+    tts_embeds: _tensor_pb2.TensorRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[_common_pb2.MediaLayout, _Mapping]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., tts_embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...
 
 class ThinkerStates(_message.Message):
     __slots__ = ("start", "embeds", "hidden")

@@ -53,7 +53,7 @@ class TensorRef(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., inline_data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmSlot, _Mapping]] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("host_id",)
-    HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    host_id: str
-    def __init__(self, host_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ("shm_domain",)
+    SHM_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    shm_domain: str
+    def __init__(self, shm_domain: _Optional[str] = ...) -> None: ...

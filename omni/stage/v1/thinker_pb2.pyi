@@ -29,7 +29,7 @@ class MultimodalSpan(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., deepstack: _Optional[_Iterable[_Union[_tensor_pb2.TensorRef, _Mapping]]] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "positions", "rope_delta", "spans", "sampling", "return_states", "placement")
+    __slots__ = ("request_id", "prompt_ids", "positions", "rope_delta", "spans", "sampling", "return_states", "placement", "embed_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -38,18 +38,20 @@ class ThinkerRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_STATES_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    EMBED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
-    positions: _containers.RepeatedScalarFieldContainer[int]
-    rope_delta: int
+    positions: _containers.RepeatedScalarFieldContainer[float]
+    rope_delta: float
     spans: _containers.RepeatedCompositeFieldContainer[MultimodalSpan]
     sampling: _common_pb2.Sampling
     return_states: bool
     placement: _tensor_pb2.Placement
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., rope_delta: _Optional[int] = ..., spans: _Optional[_Iterable[_Union[MultimodalSpan, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., return_states: _Optional[bool] = ..., placement: _Optional[_Union[_tensor_pb2.Placement, _Mapping]] = ...) -> None: ...
+    embed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[float]] = ..., rope_delta: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[MultimodalSpan, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., return_states: _Optional[bool] = ..., placement: _Optional[_Union[_tensor_pb2.Placement, _Mapping]] = ..., embed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ThinkerOutput(_message.Message):
-    __slots__ = ("token_ids", "state_start", "embeds", "hidden", "stop_reason", "prompt_tokens", "timings")
+    __slots__ = ("token_ids", "state_start", "embeds", "hidden", "stop_reason", "prompt_tokens", "timings", "token_embeds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STATE_START_FIELD_NUMBER: _ClassVar[int]
     EMBEDS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class ThinkerOutput(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     state_start: int
     embeds: _tensor_pb2.TensorRef
@@ -64,4 +67,5 @@ class ThinkerOutput(_message.Message):
     stop_reason: StopReason
     prompt_tokens: int
     timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Timing]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., state_start: _Optional[int] = ..., embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., prompt_tokens: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.Timing, _Mapping]]] = ...) -> None: ...
+    token_embeds: _tensor_pb2.TensorRef
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., state_start: _Optional[int] = ..., embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., prompt_tokens: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.Timing, _Mapping]]] = ..., token_embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...

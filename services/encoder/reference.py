@@ -1,0 +1,74 @@
+"""The reference encoder engine: transformers' own vision and audio towers, one media item per forward."""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.model.load import load_component
+from services.runtime.errors import InvalidArgument
+
+
+@dataclass
+class Item:
+    kind: str  # "image" | "video" | "audio"
+    values: torch.Tensor  # image/video: [patches, C*T*P*P]; audio: [mel_bins, frames]
+    grid_thw: tuple[int, int, int] | None = None
+
+
+@dataclass
+class Encoded:
+    embeds: torch.Tensor  # [tokens, H]
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class EncodeJob:
+    items: list[Item]
+    done: bool = False
+    seconds: float = 0.0
+
+
+class ReferenceEncoder:
+    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto", seed: int = 0):
+        self.device, self.dtype = torch.device(device), dtype
+        self.vision = load_component("vision", model_dir, device, dtype, load_format, seed)
+        self.audio = load_component("audio", model_dir, device, dtype, load_format, seed)
+        vc = self.vision.config
+        self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+        self.mel_bins = self.audio.config.num_mel_bins
+
+    def add(self, job: EncodeJob) -> None:
+        for i, item in enumerate(job.items):
+            if item.kind == "audio":
+                if item.values.dim() != 2 or item.values.shape[0] != self.mel_bins:
+                    raise InvalidArgument(f"item {i}: audio features must be [{self.mel_bins}, frames], got {tuple(item.values.shape)}")
+            elif item.kind in ("image", "video"):
+                t, h, w = item.grid_thw or (0, 0, 0)
+                if tuple(item.values.shape) != (t * h * w, self.patch_width) or t * h * w == 0:
+                    raise InvalidArgument(f"item {i}: pixel patches {tuple(item.values.shape)} do not match grid {item.grid_thw}")
+            else:
+                raise InvalidArgument(f"item {i}: unknown media kind {item.kind!r}")
+
+    def ready(self, job: EncodeJob) -> bool:
+        return not job.done
+
+    def free(self, job: EncodeJob) -> None:
+        pass
+
+    @torch.no_grad()
+    def step(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:
+        out = []
+        for job in jobs:
+            t0 = time.perf_counter()
+            out.append((job, [self._encode(item) for item in job.items]))
+            job.done, job.seconds = True, time.perf_counter() - t0
+        return out
+
+    def _encode(self, item: Item) -> Encoded:
+        x = item.values.to(self.device, self.dtype)
+        if item.kind == "audio":
+            lens = torch.tensor([x.shape[1]], device=self.device)
+            return Encoded(self.audio(x, feature_lens=lens).last_hidden_state)
+        out = self.vision(x, grid_thw=torch.tensor([item.grid_thw], device=self.device))
+        return Encoded(out.pooler_output, list(out.deepstack_features))

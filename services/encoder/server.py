@@ -1,0 +1,51 @@
+"""Encoder stage: features in, embeddings (and DeepStack taps) out, by reference."""
+
+from omni.stage.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
+from services.runtime.config import MeshConfig
+from services.runtime.metrics import rpc
+from services.runtime.protoconv import DTYPES, timings
+from services.runtime.server import Stage
+from services.runtime.transport import Transport
+from services.runtime.worker import EngineWorker
+
+KINDS = {common_pb2.MEDIA_KIND_IMAGE: "image", common_pb2.MEDIA_KIND_AUDIO: "audio", common_pb2.MEDIA_KIND_VIDEO: "video"}
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, worker: EngineWorker, transport: Transport):
+        self.worker, self.transport = worker, transport
+
+    @rpc
+    async def Encode(self, request, context):
+        items = [Item(KINDS.get(f.kind, "unknown"), self.transport.get(f.values), tuple(f.grid_thw) or None) for f in request.items]
+        job = EncodeJob(items)
+        handle = self.worker.submit(job)
+        finished = False
+        try:
+            encoded = [out async for out in handle.outputs()][0]
+            finished = True
+        finally:
+            if not finished:
+                self.worker.cancel(handle)
+        reply = encoder_pb2.EncodeResponse(timings=timings(encode=job.seconds))
+        for item, enc in zip(request.items, encoded):
+            reply.items.append(encoder_pb2.Embedding(
+                kind=item.kind, embeds=self.transport.put(enc.embeds, request.placement),
+                deepstack=[self.transport.put(d, request.placement) for d in enc.deepstack],
+            ))
+        return reply
+
+
+async def build(cfg: MeshConfig, replica: int, server) -> Stage:
+    r = cfg.encoder.replicas[replica]
+    engine = ReferenceEncoder(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+    worker = EngineWorker(engine, "encoder")
+    transport = Transport(cfg.transport, f"encoder{replica}", r.shm_domain)
+    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(worker, transport), server)
+
+    async def close():
+        worker.stop()
+        transport.close()
+
+    return Stage(services=[encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], close=close)

@@ -1,0 +1,243 @@
+"""One request across the stages: preprocess -> prompt -> encode -> thinker, with the talker fed from
+the thinker's stream as it comes, and both outputs merged into the client's stream as they are made."""
+
+import asyncio
+import io
+import time
+import uuid
+import wave
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omni.stage.v1 import (
+    common_pb2, encoder_pb2, encoder_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc, talker_pb2, talker_pb2_grpc,
+    tensor_pb2, thinker_pb2, thinker_pb2_grpc,
+)
+from omni.v1 import omni_pb2
+from services.gateway.detok import Detokenizer
+from services.gateway.prompt import MediaRef, PromptBuilder
+from services.gateway.router import Endpoint, Router
+from services.gateway.validate import Resolved, resolve
+from services.model.spec import OmniSpec
+from services.runtime.config import MeshConfig
+from services.runtime.errors import InvalidArgument
+from services.runtime.protoconv import sampling_to_proto
+
+MEDIA_KINDS = {common_pb2.MEDIA_KIND_IMAGE: "image", common_pb2.MEDIA_KIND_AUDIO: "audio", common_pb2.MEDIA_KIND_VIDEO: "video"}
+SAMPLE_RATE = 24000
+
+
+def _placement(endpoint: Endpoint | None) -> tensor_pb2.Placement:
+    return tensor_pb2.Placement(shm_domain=endpoint.replica.shm_domain if endpoint else "")
+
+
+def wav_bytes(pcm16: bytes, rate: int = SAMPLE_RATE) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm16)
+    return buf.getvalue()
+
+
+@dataclass
+class Progress:
+    """What one request has produced so far, for its final Usage."""
+    t0: float
+    completion_tokens: int = 0
+    audio_samples: int = 0
+    audio_frames: int = 0
+    first_token: float = 0.0
+    first_audio: float = 0.0
+    reason: int = omni_pb2.FINISH_REASON_UNSPECIFIED
+    timings: dict = field(default_factory=dict)
+
+    def add_timings(self, items) -> None:
+        for t in items:
+            self.timings[t.stage] = self.timings.get(t.stage, 0.0) + t.seconds
+
+
+class Gateway:
+    def __init__(self, cfg: MeshConfig):
+        self.cfg = cfg
+        self.spec = OmniSpec.load(cfg.model.dir)
+        self.prompts = PromptBuilder(cfg.model.dir, self.spec)
+        self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub)
+        self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub, by_modality=cfg.gateway.encoder_routing == "modality")
+        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub)
+        has_talker = bool(cfg.talker.replicas) and self.spec.has_talker
+        self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub) if has_talker else None
+        self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions
+        self.tts_ids = [self.spec.raw[k] for k in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")]
+
+    async def close(self) -> None:
+        for router in (self.preprocess, self.encoders, self.thinkers, self.talkers):
+            if router is not None:
+                await router.close()
+
+    def model_info(self) -> omni_pb2.ModelInfo:
+        lim = self.cfg.limits
+        outputs = [omni_pb2.MODALITY_TEXT] + ([omni_pb2.MODALITY_AUDIO] if self.talkers else [])
+        return omni_pb2.ModelInfo(
+            model=self.cfg.model.name, input_modalities=["text", "image", "audio", "video"], output_modalities=outputs,
+            voices=sorted(self.spec.voices) if self.talkers else [], default_voice=self.spec.default_voice if self.talkers else "",
+            audio_sample_rate=SAMPLE_RATE,
+            limits=omni_pb2.Limits(
+                max_request_bytes=lim.max_request_bytes, max_media_items=lim.max_media_items, max_image_pixels=lim.max_image_pixels,
+                max_audio_seconds=lim.max_audio_seconds, max_video_frames=lim.max_video_frames,
+                max_context_tokens=self.max_context, max_new_tokens=lim.max_new_tokens,
+            ),
+        )
+
+    async def generate(self, req: omni_pb2.GenerateRequest, timeout: float | None):
+        progress = Progress(time.perf_counter())
+        g = self.cfg.gateway
+        r = resolve(req, self.spec, self.cfg.limits, g.thinker, g.talker, self.talkers is not None, self.prompts.check_text)
+        rid = req.request_id or uuid.uuid4().hex
+        thinker_ep = self.thinkers.pick()
+        talker_ep = self.talkers.pick() if r.want_audio else None
+        spans, prompt = await self._prompt(rid, r, thinker_ep, progress, timeout)
+        if len(prompt.ids) + r.thinker.max_tokens > self.max_context:
+            raise InvalidArgument(f"prompt of {len(prompt.ids)} tokens + max_tokens {r.thinker.max_tokens} is past the context of {self.max_context}")
+        treq = thinker_pb2.ThinkerRequest(
+            request_id=rid, prompt_ids=prompt.ids, positions=prompt.positions.reshape(-1).tolist(), rope_delta=prompt.rope_delta,
+            spans=spans, sampling=sampling_to_proto(r.thinker), return_states=r.want_audio, placement=_placement(talker_ep),
+            embed_token_ids=self.tts_ids if r.want_audio else [],
+        )
+        events: asyncio.Queue = asyncio.Queue()
+        talker_inputs: asyncio.Queue | None = asyncio.Queue() if r.want_audio else None
+        start = talker_pb2.TalkerStart(
+            request_id=rid, prompt_ids=prompt.ids, voice=r.voice,
+            sampling=sampling_to_proto(r.talker) if r.talker else None,
+            layout=common_pb2.MediaLayout(
+                image_grid_thw=[x for g3 in prompt.layout.image_grid_thw for x in g3],
+                video_grid_thw=[x for g3 in prompt.layout.video_grid_thw for x in g3],
+                video_second_per_grid=prompt.layout.video_second_per_grid, audio_feature_lengths=prompt.audio_feature_lengths,
+            ),
+        )
+        tasks = [asyncio.create_task(self._guard(events, self._thinker(treq, thinker_ep, r, start, talker_inputs, events, progress, timeout)))]
+        if talker_ep is not None:
+            tasks.append(asyncio.create_task(self._guard(events, self._talker(talker_ep, talker_inputs, r, events, progress, timeout))))
+        running = len(tasks)
+        try:
+            while running:
+                kind, payload = await events.get()
+                if kind == "done":
+                    running -= 1
+                elif kind == "error":
+                    raise payload
+                else:
+                    yield omni_pb2.GenerateResponse(request_id=rid, **{kind: payload})
+        finally:
+            for t in tasks:
+                t.cancel()
+        usage = omni_pb2.Usage(
+            prompt_tokens=len(prompt.ids), completion_tokens=progress.completion_tokens,
+            audio_seconds=progress.audio_samples / SAMPLE_RATE, audio_frames=progress.audio_frames,
+            time_to_first_token_seconds=progress.first_token, time_to_first_audio_seconds=progress.first_audio,
+            timings=[omni_pb2.StageTiming(stage=k, seconds=v) for k, v in progress.timings.items()]
+            + [omni_pb2.StageTiming(stage="total", seconds=time.perf_counter() - progress.t0)],
+        )
+        yield omni_pb2.GenerateResponse(request_id=rid, finished=omni_pb2.Finished(reason=progress.reason, usage=usage))
+
+    async def _prompt(self, rid: str, r: Resolved, thinker_ep: Endpoint, progress: Progress, timeout: float | None):
+        """Preprocess and encode the media, then lay out the prompt around them."""
+        if not r.media:
+            return [], self.prompts.build(r.messages, [])
+        encoder_ep = self.encoders.pick("audio" if r.want_audio else "text")
+        pre_ep = self.preprocess.pick()
+        items = [preprocess_pb2.MediaItem(**{type(m).__name__.lower(): m}) for m in r.media]
+        with self.preprocess.use(pre_ep):
+            pre = await pre_ep.stub.Process(
+                preprocess_pb2.PreprocessRequest(request_id=rid, items=items, placement=_placement(encoder_ep)), timeout=timeout)
+        progress.add_timings(pre.timings)
+        media = [MediaRef(MEDIA_KINDS[f.kind], f.num_tokens, tuple(f.grid_thw) or None, f.feature_length, f.second_per_grid) for f in pre.items]
+        prompt = self.prompts.build(r.messages, media)
+        with self.encoders.use(encoder_ep):
+            enc = await encoder_ep.stub.Encode(
+                encoder_pb2.EncodeRequest(request_id=rid, items=pre.items, placement=_placement(thinker_ep)), timeout=timeout)
+        progress.add_timings(enc.timings)
+        spans = [thinker_pb2.MultimodalSpan(offset=o, embeds=e.embeds, deepstack=e.deepstack) for o, e in zip(prompt.offsets, enc.items)]
+        return spans, prompt
+
+    @staticmethod
+    async def _guard(events: asyncio.Queue, body) -> None:
+        try:
+            await body
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the request's stream reports it
+            events.put_nowait(("error", exc))
+        finally:
+            events.put_nowait(("done", None))
+
+    async def _thinker(self, treq, ep: Endpoint, r: Resolved, start, talker_inputs, events, progress: Progress, timeout):
+        detok = Detokenizer(self.prompts.tokenizer, r.stop)
+        with self.thinkers.use(ep):
+            call = ep.stub.Generate(treq, timeout=timeout)
+            try:
+                async for out in call:
+                    if talker_inputs is not None:
+                        if out.HasField("token_embeds"):
+                            start.tts_embeds.CopyFrom(out.token_embeds)
+                            talker_inputs.put_nowait(talker_pb2.TalkerInput(start=start))
+                        if out.HasField("embeds"):
+                            talker_inputs.put_nowait(talker_pb2.TalkerInput(states=talker_pb2.ThinkerStates(
+                                start=out.state_start, embeds=out.embeds, hidden=out.hidden)))
+                    progress.completion_tokens += len(out.token_ids)
+                    if not progress.first_token:
+                        progress.first_token = time.perf_counter() - progress.t0
+                    text = detok.add(list(out.token_ids))
+                    if out.stop_reason:
+                        text += detok.flush()
+                        progress.reason = omni_pb2.FINISH_REASON_STOP if out.stop_reason == thinker_pb2.STOP_REASON_EOS else omni_pb2.FINISH_REASON_LENGTH
+                        progress.add_timings(out.timings)
+                    if r.want_text and (text or out.token_ids):
+                        events.put_nowait(("text", omni_pb2.TextDelta(text=text, token_ids=out.token_ids)))
+                    if detok.stopped:
+                        progress.reason = omni_pb2.FINISH_REASON_STOP_STRING
+                        call.cancel()
+                        break
+            finally:
+                if talker_inputs is not None:
+                    talker_inputs.put_nowait(talker_pb2.TalkerInput(end=talker_pb2.TextEnd()))
+
+    async def _talker(self, ep: Endpoint, inputs: asyncio.Queue, r: Resolved, events, progress: Progress, timeout):
+        async def requests():
+            while True:
+                msg = await inputs.get()
+                yield msg
+                if msg.HasField("end"):
+                    return
+
+        wav_parts, index = [], 0
+        with self.talkers.use(ep):
+            async for out in ep.stub.Synthesize(requests(), timeout=timeout):
+                if out.HasField("finished"):
+                    progress.audio_frames = out.finished.frames
+                    progress.add_timings(out.finished.timings)
+                    continue
+                chunk = out.chunk
+                pcm = np.frombuffer(chunk.pcm, "<f4")
+                pcm16 = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+                start = progress.audio_samples / SAMPLE_RATE
+                progress.audio_samples += len(pcm)
+                if not progress.first_audio:
+                    progress.first_audio = time.perf_counter() - progress.t0
+                if r.audio_format == omni_pb2.AUDIO_FORMAT_WAV:
+                    wav_parts.append(pcm16)
+                    continue
+                events.put_nowait(("audio", omni_pb2.AudioChunk(
+                    data=pcm16, format=omni_pb2.AUDIO_FORMAT_PCM16, sample_rate=SAMPLE_RATE, index=index,
+                    start_seconds=start, duration_seconds=len(pcm) / SAMPLE_RATE,
+                    codec_codes=chunk.codes if r.return_codes else [], num_codebooks=chunk.num_codebooks if r.return_codes else 0,
+                )))
+                index += 1
+        if wav_parts:
+            data = b"".join(wav_parts)
+            events.put_nowait(("audio", omni_pb2.AudioChunk(
+                data=wav_bytes(data), format=omni_pb2.AUDIO_FORMAT_WAV, sample_rate=SAMPLE_RATE, index=0,
+                start_seconds=0.0, duration_seconds=len(data) / 2 / SAMPLE_RATE,
+            )))

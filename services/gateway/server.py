@@ -1,0 +1,27 @@
+"""Gateway: the public omni.v1.Omni API in front of the mesh."""
+
+from omni.v1 import omni_pb2, omni_pb2_grpc
+from services.gateway.orchestrator import Gateway
+from services.runtime.config import MeshConfig
+from services.runtime.metrics import rpc
+from services.runtime.server import Stage
+
+
+class OmniServicer(omni_pb2_grpc.OmniServicer):
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    @rpc
+    async def Generate(self, request, context):
+        async for response in self.gateway.generate(request, context.time_remaining()):
+            yield response
+
+    @rpc
+    async def GetModelInfo(self, request, context):
+        return self.gateway.model_info()
+
+
+async def build(cfg: MeshConfig, replica: int, server) -> Stage:
+    gateway = Gateway(cfg)
+    omni_pb2_grpc.add_OmniServicer_to_server(OmniServicer(gateway), server)
+    return Stage(services=[omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name], close=gateway.close)

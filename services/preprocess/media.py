@@ -1,0 +1,162 @@
+"""Media bytes -> model-ready features: images and video frames to patches, audio to log-mel.
+
+Everything is checked before it is decoded in full: format, pixel count (decompression bombs),
+duration, and every failure says what was wrong with which item.
+"""
+
+import io
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from services.model.spec import audio_tokens
+from services.runtime.config import Limits
+from services.runtime.errors import InvalidArgument, ResourceExhausted
+
+IMAGE_FORMATS = {"PNG", "JPEG", "WEBP"}
+SAMPLE_RATE = 16000
+# The video processor's per-frame pixel range for this model (transformers' Qwen3-Omni video defaults).
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
+
+
+@dataclass
+class Features:
+    kind: str  # "image" | "audio" | "video"
+    values: np.ndarray  # image/video: [patches, C*T*P*P]; audio: [mel_bins, frames]
+    num_tokens: int
+    grid_thw: tuple[int, int, int] | None = None
+    feature_length: int = 0
+    second_per_grid: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+
+def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
+    if not data:
+        raise InvalidArgument(f"{where}: empty image")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            if img.format not in IMAGE_FORMATS:
+                raise InvalidArgument(f"{where}: image format {img.format} is not supported (PNG, JPEG or WebP)")
+            w, h = img.size
+            if w * h > limits.max_image_pixels:
+                raise ResourceExhausted(f"{where}: image of {w}x{h} = {w * h} pixels is over the limit of {limits.max_image_pixels}")
+            img.load()
+    except (InvalidArgument, ResourceExhausted):
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ResourceExhausted(f"{where}: image too large: {e}") from None
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds for corrupt data
+        raise InvalidArgument(f"{where}: cannot decode image: {e}") from None
+    return img.convert("RGB")
+
+
+class Preprocessor:
+    """Uses the checkpoint's own processor settings (preprocessor_config.json)."""
+
+    def __init__(self, model_dir, limits: Limits, n_window: int = 50):
+        from transformers import WhisperFeatureExtractor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+        self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
+        self.limits, self.n_window = limits, n_window
+        self.merge = self.images.merge_size
+
+    def image(self, data: bytes, where: str = "image") -> Features:
+        img = open_image(data, self.limits, where)
+        out = self.images(images=[img], return_tensors="np")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        return Features("image", out["pixel_values"].astype(np.float32), grid[0] * grid[1] * grid[2] // self.merge**2, grid)
+
+    def video(self, frames: list[bytes], fps: float, where: str = "video") -> Features:
+        if not frames:
+            raise InvalidArgument(f"{where}: a video needs at least one frame")
+        if len(frames) > self.limits.max_video_frames:
+            raise ResourceExhausted(f"{where}: {len(frames)} frames is over the limit of {self.limits.max_video_frames}")
+        fps = fps or 1.0
+        if not 0 < fps <= 60:
+            raise InvalidArgument(f"{where}: fps must be in (0, 60], got {fps}")
+        ip = self.images
+        imgs = [open_image(f, self.limits, f"{where} frame {i}") for i, f in enumerate(frames)]
+        if len({im.size for im in imgs}) != 1:
+            raise InvalidArgument(f"{where}: all frames must have the same size")
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        w, h = imgs[0].size
+        try:
+            rh, rw = smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS)
+        except ValueError as e:
+            raise InvalidArgument(f"{where}: {e}") from None
+        mean, std = np.array(ip.image_mean, np.float32), np.array(ip.image_std, np.float32)
+        pixels = np.stack([
+            (np.asarray(im.resize((rw, rh), Image.BICUBIC), np.float32) * ip.rescale_factor - mean) / std for im in imgs
+        ]).transpose(0, 3, 1, 2)  # [T, C, H, W]
+        t_patch, p, m = ip.temporal_patch_size, ip.patch_size, self.merge
+        if pad := -len(pixels) % t_patch:
+            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, axis=0)])
+        gt, gh, gw = len(pixels) // t_patch, rh // p, rw // p
+        c = pixels.shape[1]
+        patches = pixels.reshape(gt, t_patch, c, gh // m, m, p, gw // m, m, p)
+        patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, c * t_patch * p * p)
+        return Features("video", np.ascontiguousarray(patches), gt * gh * gw // m**2, (gt, gh, gw),
+                        second_per_grid=t_patch / fps)
+
+    def audio_file(self, data: bytes, where: str = "audio") -> Features:
+        import soundfile as sf
+
+        if not data:
+            raise InvalidArgument(f"{where}: empty audio")
+        try:
+            info = sf.info(io.BytesIO(data))
+        except Exception as e:  # noqa: BLE001
+            raise InvalidArgument(f"{where}: cannot decode audio (WAV or FLAC expected): {e}") from None
+        self._check_seconds(info.frames / max(info.samplerate, 1), where)
+        try:
+            pcm, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        except Exception as e:  # noqa: BLE001
+            raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
+        if len(pcm) == 0:
+            raise InvalidArgument(f"{where}: audio has no samples")
+        return self._audio(pcm.mean(axis=1), rate, where)
+
+    def audio_pcm(self, data: bytes, rate: int, encoding: str, channels: int, where: str = "audio") -> Features:
+        channels = channels or 1
+        width = {"s16le": 2, "f32le": 4}.get(encoding)
+        if width is None:
+            raise InvalidArgument(f"{where}: raw PCM needs an encoding (S16LE or F32LE)")
+        if not 1000 <= rate <= 384000:
+            raise InvalidArgument(f"{where}: sample rate {rate} is out of range")
+        if not 1 <= channels <= 16:
+            raise InvalidArgument(f"{where}: {channels} channels is out of range")
+        if not data or len(data) % (width * channels):
+            raise InvalidArgument(f"{where}: {len(data)} bytes is not a whole number of {channels}-channel {encoding} samples")
+        self._check_seconds(len(data) / (width * channels * rate), where)
+        pcm = np.frombuffer(data, "<i2" if width == 2 else "<f4").astype(np.float32)
+        if width == 2:
+            pcm /= 32768.0
+        if not np.isfinite(pcm).all():
+            raise InvalidArgument(f"{where}: PCM contains NaN or infinity")
+        return self._audio(pcm.reshape(-1, channels).mean(axis=1), rate, where)
+
+    def _check_seconds(self, seconds: float, where: str) -> None:
+        if seconds > self.limits.max_audio_seconds:
+            raise ResourceExhausted(f"{where}: {seconds:.1f} s of audio is over the limit of {self.limits.max_audio_seconds:.0f} s")
+
+    def _audio(self, pcm: np.ndarray, rate: int, where: str) -> Features:
+        if rate != SAMPLE_RATE:
+            from scipy.signal import resample_poly
+
+            g = math.gcd(rate, SAMPLE_RATE)
+            pcm = resample_poly(pcm, SAMPLE_RATE // g, rate // g).astype(np.float32)
+        if len(pcm) < self.audio.hop_length:
+            raise InvalidArgument(f"{where}: audio is too short ({len(pcm)} samples at {SAMPLE_RATE} Hz)")
+        out = self.audio([pcm], sampling_rate=SAMPLE_RATE, padding=True, truncation=False, return_attention_mask=True, return_tensors="np")
+        frames = int(out["attention_mask"][0].sum())
+        mel = np.ascontiguousarray(out["input_features"][0][:, :frames], dtype=np.float32)
+        return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames,
+                        meta={"seconds": len(pcm) / SAMPLE_RATE})

@@ -1,0 +1,146 @@
+"""Runs an engine on a thread of its own and connects it to the asyncio server.
+
+The engine sees plain request objects and returns outputs per step; it knows nothing of gRPC.
+Each request's outputs reach its RPC through an asyncio queue, then `DONE` (or an exception).
+"""
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+from services.runtime import metrics
+
+log = logging.getLogger(__name__)
+
+DONE = object()
+
+
+class Request(Protocol):
+    done: bool
+
+
+class Engine(Protocol):
+    def add(self, req) -> None: ...
+    def ready(self, req) -> bool: ...
+    def step(self, reqs: list) -> list[tuple[Any, Any]]: ...
+    def free(self, req) -> None: ...
+
+
+class Handle:
+    def __init__(self, req, loop: asyncio.AbstractEventLoop):
+        self.req, self.loop = req, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def post(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def outputs(self):
+        """Yields the request's outputs until it is done; raises what the engine raised for it."""
+        while True:
+            item = await self.queue.get()
+            if item is DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, stage: str):
+        self.engine, self.stage = engine, stage
+        self._cond = threading.Condition()
+        self._new: list[Handle] = []
+        self._cancelled: set[int] = set()
+        self._active: list[Handle] = []
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"{stage}-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req) -> Handle:
+        handle = Handle(req, asyncio.get_running_loop())
+        with self._cond:
+            self._new.append(handle)
+            metrics.QUEUED.labels(self.stage).set(len(self._new))
+            self._cond.notify()
+        return handle
+
+    def notify(self) -> None:
+        """New input arrived for a request already submitted."""
+        with self._cond:
+            self._cond.notify()
+
+    def cancel(self, handle: Handle) -> None:
+        with self._cond:
+            self._cancelled.add(id(handle))
+            self._cond.notify()
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _admit(self) -> None:
+        for handle in self._new:
+            try:
+                self.engine.add(handle.req)
+                self._active.append(handle)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                handle.post(exc)
+        self._new.clear()
+        metrics.QUEUED.labels(self.stage).set(0)
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        keep = []
+        for handle in self._active:
+            if id(handle) in self._cancelled:
+                self.engine.free(handle.req)
+            else:
+                keep.append(handle)
+        self._active = keep
+        self._cancelled.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self._new and not self._cancelled and not any(
+                    self.engine.ready(h.req) for h in self._active
+                ):
+                    self._cond.wait(timeout=1.0)
+                if self._stopped:
+                    break
+                self._admit()
+                self._drop_cancelled()
+                batch = [h for h in self._active if self.engine.ready(h.req)]
+            metrics.ACTIVE.labels(self.stage).set(len(self._active))
+            if not batch:
+                continue
+            by_req = {id(h.req): h for h in batch}
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step([h.req for h in batch])
+            except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("engine step failed")
+                for h in batch:
+                    h.req.done = True
+                    h.post(exc)
+                outputs = []
+            metrics.STEP.labels(self.stage, "step").observe(time.perf_counter() - t0)
+            for req, out in outputs:
+                by_req[id(req)].post(out)
+            with self._cond:
+                for h in [h for h in self._active if h.req.done]:
+                    self.engine.free(h.req)
+                    h.post(DONE)
+                self._active = [h for h in self._active if not h.req.done]
+            metrics.ACTIVE.labels(self.stage).set(len(self._active))
+        for h in self._active + self._new:
+            h.post(RuntimeError(f"{self.stage} engine stopped"))

@@ -1,0 +1,99 @@
+"""Talker stage: gRPC in front of a talker engine. States stream in, speech streams out."""
+
+import asyncio
+
+import torch
+
+from omni.stage.v1 import talker_pb2, talker_pb2_grpc
+from services.model.spec import OmniSpec, audio_tokens
+from services.runtime.config import MeshConfig
+from services.runtime.errors import InvalidArgument
+from services.runtime.metrics import TOKENS, rpc
+from services.runtime.protoconv import DTYPES, layout_from_proto, sampling_from_proto, timings
+from services.runtime.server import Stage
+from services.runtime.transport import Transport
+from services.runtime.worker import EngineWorker
+from services.talker.reference import ReferenceTalker, TalkerSeq
+
+
+class TalkerServicer(talker_pb2_grpc.TalkerServicer):
+    def __init__(self, worker: EngineWorker, engine: ReferenceTalker, transport: Transport, spec: OmniSpec):
+        self.worker, self.engine, self.transport, self.spec = worker, engine, transport, spec
+
+    def _seq(self, start: talker_pb2.TalkerStart) -> TalkerSeq:
+        voice = start.voice.lower() or self.spec.default_voice
+        if voice not in self.spec.voices:
+            raise InvalidArgument(f"unknown voice {start.voice!r}; known: {sorted(self.spec.voices)}")
+        if not start.prompt_ids:
+            raise InvalidArgument("empty prompt")
+        n_window = self.spec.n_window
+        layout = layout_from_proto(start.layout, [audio_tokens(n, n_window) for n in start.layout.audio_feature_lengths])
+        return TalkerSeq(
+            request_id=start.request_id, prompt_ids=torch.tensor(start.prompt_ids, dtype=torch.long), layout=layout,
+            speaker_id=self.spec.voices[voice], params=sampling_from_proto(start.sampling),
+            tts_embeds=self.transport.get(start.tts_embeds),
+        )
+
+    async def _feed(self, inputs, seq: TalkerSeq) -> None:
+        """Moves the thinker's states into the request as they arrive, in order."""
+        expected = 0
+        try:
+            async for msg in inputs:
+                if msg.HasField("states"):
+                    s = msg.states
+                    if s.start != expected:
+                        raise InvalidArgument(f"thinker states out of order: position {s.start}, expected {expected}")
+                    embeds, hidden = self.transport.get(s.embeds), self.transport.get(s.hidden)
+                    expected += len(embeds)
+                    seq.inbox.append((embeds, hidden))
+                elif msg.HasField("end"):
+                    break
+                self.worker.notify()
+        finally:
+            seq.text_ended = True
+            self.worker.notify()
+
+    @rpc
+    async def Synthesize(self, request_iterator, context):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("start"):
+            raise InvalidArgument("the first message must be a TalkerStart")
+        seq = self._seq(first.start)
+        handle = self.worker.submit(seq)
+        feeder = asyncio.create_task(self._feed(request_iterator, seq))
+        finished = False
+        try:
+            async for step in handle.outputs():
+                if feeder.done() and feeder.exception() is not None:
+                    raise feeder.exception()
+                for chunk in step.chunks:
+                    TOKENS.labels("talker").inc(len(chunk.codes))
+                    yield talker_pb2.TalkerOutput(chunk=talker_pb2.SpeechChunk(
+                        pcm=chunk.pcm.astype("<f4").tobytes(), sample_rate=self.engine.sample_rate,
+                        codes=[c for frame in chunk.codes for c in frame], num_codebooks=self.engine.groups,
+                        first_frame=chunk.first_frame,
+                    ))
+                if step.finished:
+                    yield talker_pb2.TalkerOutput(finished=talker_pb2.TalkerFinished(
+                        frames=len(seq.frames), eos=seq.eos, timings=timings(**seq.seconds),
+                    ))
+            finished = True
+        finally:
+            feeder.cancel()
+            if not finished:
+                self.worker.cancel(handle)
+
+
+async def build(cfg: MeshConfig, replica: int, server) -> Stage:
+    r, tc = cfg.talker.replicas[replica], cfg.talker
+    engine = ReferenceTalker(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
+                             tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
+    worker = EngineWorker(engine, "talker")
+    transport = Transport(cfg.transport, f"talker{replica}", r.shm_domain)
+    talker_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(worker, engine, transport, OmniSpec.load(cfg.model.dir)), server)
+
+    async def close():
+        worker.stop()
+        transport.close()
+
+    return Stage(services=[talker_pb2.DESCRIPTOR.services_by_name["Talker"].full_name], close=close)

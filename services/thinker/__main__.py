@@ -1,0 +1,4 @@
+from services.runtime.server import main
+from services.thinker.server import build
+
+main("thinker", build)

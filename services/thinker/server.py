@@ -1,0 +1,78 @@
+"""Thinker stage: gRPC in front of a thinker engine."""
+
+import torch
+
+from omni.stage.v1 import thinker_pb2, thinker_pb2_grpc
+from services.runtime.config import MeshConfig
+from services.runtime.errors import InvalidArgument
+from services.runtime.metrics import TOKENS, rpc
+from services.runtime.protoconv import DTYPES, sampling_from_proto, timings
+from services.runtime.server import Stage
+from services.runtime.transport import Transport
+from services.runtime.worker import EngineWorker
+from services.thinker.reference import ReferenceThinker, Span, ThinkerSeq
+
+STOP_REASONS = {"eos": thinker_pb2.STOP_REASON_EOS, "length": thinker_pb2.STOP_REASON_LENGTH}
+
+
+class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
+    def __init__(self, worker: EngineWorker, transport: Transport):
+        self.worker, self.transport = worker, transport
+
+    def _seq(self, req: thinker_pb2.ThinkerRequest) -> ThinkerSeq:
+        n = len(req.prompt_ids)
+        positions = None
+        if req.positions:
+            if len(req.positions) != 3 * n:
+                raise InvalidArgument(f"positions has {len(req.positions)} values, 3 x {n} expected")
+            positions = torch.tensor(req.positions, dtype=torch.float32).view(3, n)
+        if req.sampling.max_tokens < 1:
+            raise InvalidArgument("sampling.max_tokens must be at least 1")
+        spans = [
+            Span(s.offset, self.transport.get(s.embeds), [self.transport.get(d) for d in s.deepstack])
+            for s in req.spans
+        ]
+        return ThinkerSeq(
+            request_id=req.request_id, prompt_ids=torch.tensor(req.prompt_ids, dtype=torch.long),
+            params=sampling_from_proto(req.sampling), positions=positions, rope_delta=req.rope_delta, spans=spans,
+            return_states=req.return_states, embed_token_ids=list(req.embed_token_ids),
+        )
+
+    @rpc
+    async def Generate(self, request, context):
+        seq = self._seq(request)
+        handle = self.worker.submit(seq)
+        finished = False
+        try:
+            async for step in handle.outputs():
+                out = thinker_pb2.ThinkerOutput(token_ids=step.token_ids)
+                TOKENS.labels("thinker").inc(len(step.token_ids))
+                if step.embeds is not None:
+                    out.state_start = step.state_start
+                    out.embeds.CopyFrom(self.transport.put(step.embeds, request.placement))
+                    out.hidden.CopyFrom(self.transport.put(step.hidden, request.placement))
+                if step.token_embeds is not None:
+                    out.token_embeds.CopyFrom(self.transport.put(step.token_embeds, request.placement))
+                if step.stop_reason:
+                    out.stop_reason = STOP_REASONS[step.stop_reason]
+                    out.prompt_tokens = len(seq.prompt_ids)
+                    out.timings.extend(timings(thinker_prefill=seq.prefill_seconds, thinker_decode=seq.decode_seconds))
+                yield out
+            finished = True
+        finally:
+            if not finished:
+                self.worker.cancel(handle)
+
+
+async def build(cfg: MeshConfig, replica: int, server) -> Stage:
+    r = cfg.thinker.replicas[replica]
+    engine = ReferenceThinker(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+    worker = EngineWorker(engine, "thinker")
+    transport = Transport(cfg.transport, f"thinker{replica}", r.shm_domain)
+    thinker_pb2_grpc.add_ThinkerServicer_to_server(ThinkerServicer(worker, transport), server)
+
+    async def close():
+        worker.stop()
+        transport.close()
+
+    return Stage(services=[thinker_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name], close=close)
