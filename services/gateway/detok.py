@@ -45,6 +45,12 @@ class Detokenizer:
         return pending[:len(pending) - keep]
 
     def flush(self) -> str:
-        """Text held back for a stop string that never came."""
+        """At the end: text held back for a stop string that never came, and bytes that never completed
+        a character (decoded as U+FFFD, as a whole decode would)."""
+        if self.stopped:
+            return ""
+        tail = self._decode(self.ids[self._prefix:])[len(self._decode(self.ids[self._prefix:self._read])):]
+        self._prefix = self._read = len(self.ids)
+        out = self._release(self._held + tail)
         held, self._held = self._held, ""
-        return "" if self.stopped else held
+        return out + ("" if self.stopped else held)

@@ -8,7 +8,7 @@ context as frames come.
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -82,6 +82,7 @@ class ReferenceTalker:
         self.codec_eos = tc["codec_eos_token_id"]
         vocab = tc["text_config"]["vocab_size"]
         self.suppress = torch.tensor([i for i in range(vocab - 1024, vocab) if i != self.codec_eos], device=self.device)
+        self.suppress_with_eos = torch.arange(vocab - 1024, vocab, device=self.device)  # fixed-length speech
         self.groups = tc["num_code_groups"]
         self.mm_ids = torch.tensor([spec.thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")])
         self.rope_tokens = tokens_from_config(tc)
@@ -96,8 +97,9 @@ class ReferenceTalker:
         if seq.params.max_tokens < 1:
             raise InvalidArgument("talker max frames must be at least 1")
         seq.generator = seq.params.generator(self.device)
-        greedy = seq.params.temperature == 0
-        seq.predictor_generator = None if greedy else PREDICTOR_SAMPLING.generator(self.device)
+        if seq.params.temperature > 0:  # the predictor samples too, from its own stream of the request's seed
+            seed = seq.params.seed + 1 if seq.params.seed else 0
+            seq.predictor_generator = replace(PREDICTOR_SAMPLING, seed=seed).generator(self.device)
 
     def ready(self, seq: TalkerSeq) -> bool:
         if seq.done:
@@ -192,7 +194,8 @@ class ReferenceTalker:
         seq.past_hidden = out.last_hidden_state[:, -1:]
         logits = self.talker.codec_head(out.last_hidden_state)[0, -1]
         history = torch.tensor([f[0] for f in seq.frames], dtype=torch.long, device=self.device)
-        code0 = sample_next(logits, seq.params, len(seq.frames), history, self.suppress, seq.generator)
+        suppress = self.suppress_with_eos if seq.params.ignore_eos else self.suppress
+        code0 = sample_next(logits, seq.params, len(seq.frames), history, suppress, seq.generator)
         if code0 == self.codec_eos:
             seq.done, seq.eos, seq.code0 = True, True, None
         else:

@@ -1,0 +1,87 @@
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped elsewhere; run on the H200)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from services.model.build import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model):
+    from references import load_hf
+
+    return load_hf(tiny_model)
+
+
+def write_config(path: Path, model_dir: Path, encoders: int = 2, talker: bool = True, **overrides) -> Path:
+    ports = iter(free_ports(32))
+
+    def replicas(n, **extra):
+        return [{"port": next(ports), "metrics_port": next(ports), **extra} for _ in range(n)]
+
+    enc = replicas(encoders)
+    if encoders == 2:
+        enc[0]["prefer_for"], enc[1]["prefer_for"] = ["text"], ["audio"]
+    cfg = {
+        "model": {"path": str(model_dir), "dtype": "float32", "name": "tiny"},
+        "limits": {"max_request_bytes": 4 << 20, "max_media_items": 4, "max_image_pixels": 1 << 20,
+                   "max_audio_seconds": 20, "max_video_frames": 8, "max_new_tokens": 256, "max_talker_frames": 256},
+        "transport": {"pool_bytes": 64 << 20, "reclaim_after_s": 3.0},
+        "gateway": {"replicas": replicas(1)},
+        "preprocess": {"replicas": replicas(1)},
+        "encoder": {"replicas": enc},
+        "thinker": {"replicas": replicas(1)},
+        "talker": {"replicas": replicas(1) if talker else [], "first_chunk_frames": 4, "chunk_frames": 8},
+    }
+    for key, value in overrides.items():
+        cfg[key].update(value)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="session")
+def mesh(tiny_model, tmp_path_factory):
+    from services.launch import Mesh
+
+    tmp = tmp_path_factory.mktemp("mesh")
+    m = Mesh(write_config(tmp / "mesh.yaml", tiny_model), log_dir=tmp / "logs")
+    m.start(timeout=180)
+    yield m
+    codes = m.stop()
+    assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"

@@ -1,0 +1,165 @@
+"""Test inputs made on the spot, and transformers' own `generate()` on them: the reference the mesh must match."""
+
+import io
+import wave
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from omni.v1 import omni_pb2
+
+ROLES = {"system": omni_pb2.ROLE_SYSTEM, "user": omni_pb2.ROLE_USER, "assistant": omni_pb2.ROLE_ASSISTANT}
+
+
+def png(seed: int, width: int = 64, height: int = 48, fmt: str = "PNG") -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def wav(seed: int, seconds: float = 1.0, rate: int = 16000, channels: int = 1) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    mono = 0.3 * np.sin(2 * np.pi * (200 + 300 * rng.random()) * t) + 0.05 * rng.standard_normal(len(t))
+    data = (np.repeat(mono[:, None], channels, axis=1) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(data.tobytes())
+    return buf.getvalue()
+
+
+def load_hf(model_dir):
+    from transformers import logging
+    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
+
+    logging.set_verbosity_error()
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
+    model.talker.config.audio_config = model.config.thinker_config.audio_config  # see MODEL.md
+    return model
+
+
+@dataclass
+class Case:
+    """A conversation: [(role, [("text", str) | ("image", png) | ("audio", wav) | ("video", ([png], fps))])]."""
+    messages: list
+
+    def request(self, speech: bool = False, max_tokens: int = 8, frames: int = 16, voice: str = "", greedy: bool = True,
+                codes: bool = True) -> omni_pb2.GenerateRequest:
+        msgs = []
+        for role, parts in self.messages:
+            out = []
+            for kind, value in parts:
+                if kind == "text":
+                    out.append(omni_pb2.Part(text=value))
+                elif kind == "image":
+                    out.append(omni_pb2.Part(image=omni_pb2.Image(data=value)))
+                elif kind == "audio":
+                    out.append(omni_pb2.Part(audio=omni_pb2.Audio(file=value)))
+                else:
+                    frames_, fps = value
+                    out.append(omni_pb2.Part(video=omni_pb2.Video(frames=[omni_pb2.Image(data=f) for f in frames_], fps=fps)))
+            msgs.append(omni_pb2.Message(role=ROLES[role], parts=out))
+        req = omni_pb2.GenerateRequest(
+            messages=msgs, voice=voice, return_codec_codes=codes,
+            output_modalities=[omni_pb2.MODALITY_TEXT] + ([omni_pb2.MODALITY_AUDIO] if speech else []),
+        )
+        req.sampling.max_tokens = max_tokens
+        req.talker_sampling.max_tokens = frames
+        if greedy:
+            req.sampling.temperature = 0
+            req.talker_sampling.temperature = 0
+        return req
+
+
+class Reference:
+    """Runs transformers' generate() on a Case, preparing its inputs as Qwen3OmniMoeProcessor does."""
+
+    def __init__(self, model_dir, hf):
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        from services.model.spec import OmniSpec
+        from services.preprocess.media import Preprocessor
+        from services.runtime.config import Limits
+
+        self.hf, self.spec = hf, OmniSpec.load(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+        self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
+        self.pre = Preprocessor(model_dir, Limits())  # video only: transformers' video processor needs torchvision
+
+    def inputs(self, case: Case) -> dict:
+        import soundfile as sf
+        from services.model.spec import audio_tokens
+
+        messages, images, audios, videos = [], [], [], []
+        for role, parts in case.messages:
+            content = []
+            for kind, value in parts:
+                content.append({"type": "text", "text": value} if kind == "text" else {"type": kind})
+                if kind == "image":
+                    images.append(Image.open(io.BytesIO(value)).convert("RGB"))
+                elif kind == "audio":
+                    audios.append(sf.read(io.BytesIO(value), dtype="float32")[0])
+                elif kind == "video":
+                    videos.append(self.pre.video(*value))
+            messages.append({"role": role, "content": content})
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kw = {}
+        counts = {}
+        if images:
+            out = self.images(images=images, return_tensors="pt")
+            kw.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+            counts["<|image_pad|>"] = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+        if audios:
+            out = self.audio(audios, sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
+            kw.update(input_features=out["input_features"], feature_attention_mask=out["attention_mask"])
+            counts["<|audio_pad|>"] = iter(audio_tokens(int(n)) for n in out["attention_mask"].sum(-1))
+        if videos:
+            kw.update(pixel_values_videos=torch.from_numpy(np.concatenate([v.values for v in videos])),
+                      video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
+                      video_second_per_grid=torch.tensor([v.second_per_grid for v in videos]))
+            counts["<|video_pad|>"] = iter(v.num_tokens for v in videos)
+        pieces, out_text, i = text, "", 0
+        while i < len(pieces):  # expand each placeholder to its token count, in order
+            for pad, it in counts.items():
+                if pieces.startswith(pad, i):
+                    out_text += pad * next(it)
+                    i += len(pad)
+                    break
+            else:
+                out_text += pieces[i]
+                i += 1
+        ids = self.tokenizer(out_text, return_tensors="pt")["input_ids"]
+        return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+
+    @torch.no_grad()
+    def generate(self, case: Case, max_tokens: int, speech: bool = False, frames: int = 16, voice: str = "ethan"):
+        """(generated token ids, codec codes [frames x groups] or None, waveform or None)."""
+        kw = self.inputs(case)
+        n = kw["input_ids"].shape[1]
+        kw["thinker_eos_token_id"] = self.spec.raw["im_end_token_id"]
+        if not speech:
+            out = self.hf.generate(**kw, return_audio=False, thinker_max_new_tokens=max_tokens, thinker_do_sample=False)
+            return out[0, n:].tolist(), None, None
+        captured = {}
+        decode = self.hf.code2wav.chunked_decode
+
+        def capture(codes, **k):
+            captured["codes"] = codes
+            return decode(codes, **k)
+
+        self.hf.code2wav.chunked_decode = capture
+        try:
+            seqs, waveform = self.hf.generate(**kw, thinker_max_new_tokens=max_tokens, thinker_do_sample=False,
+                                              talker_do_sample=False, talker_max_new_tokens=frames + 1, speaker=voice)
+        finally:
+            self.hf.code2wav.chunked_decode = decode
+        codes = captured["codes"][0].T.tolist() if "codes" in captured else []
+        return seqs[0, n:].tolist(), codes, waveform.reshape(-1).float().numpy()

@@ -1,0 +1,172 @@
+"""The whole mesh, as real processes over real sockets, against transformers' generate() on the same checkpoint."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from client_util import error_of, generate
+from omni.v1 import omni_pb2, omni_pb2_grpc
+from references import Case, Reference, png, wav
+
+SAMPLES_PER_FRAME = 1920
+# Waveform tolerance where every chunk had its full left context: float32 rounding plus PCM16 quantisation.
+WAVE_ATOL = 5e-4
+
+CASES = {
+    "text": Case([("user", [("text", "Tell me a story about a cat.")])]),
+    "image": Case([("user", [("image", png(1)), ("text", "What is in this picture?")])]),
+    "audio": Case([("user", [("audio", wav(2, 1.5)), ("text", "What do you hear?")])]),
+    "video": Case([("user", [("video", ([png(10 + i, 64, 64) for i in range(3)], 2.0)), ("text", "What happens?")])]),
+    "mixed": Case([
+        ("system", [("text", "You are terse.")]),
+        ("user", [("text", "Look:"), ("image", png(3, 96, 64)), ("audio", wav(4, 1.0)), ("text", "and compare.")]),
+    ]),
+}
+# (case, speech): t2t, i2t, s2t, video in; t2s, i2s, s2s; and everything at once.
+PATHS = {
+    "t2t": ("text", False), "i2t": ("image", False), "s2t": ("audio", False), "v2t": ("video", False),
+    "t2s": ("text", True), "i2s": ("image", True), "s2s": ("audio", True), "mixed2s": ("mixed", True),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, hf_model):
+    return Reference(tiny_model, hf_model)
+
+
+def check_waveform(result, ref_wave: np.ndarray, atol: float = WAVE_ATOL) -> None:
+    """Each streamed chunk against the same samples of the reference decode."""
+    frame = 0
+    for pcm, codes in zip(result.pcm, result.chunk_codes):
+        ref = ref_wave[frame * SAMPLES_PER_FRAME: frame * SAMPLES_PER_FRAME + len(pcm)]
+        assert len(ref) == len(pcm), f"chunk at frame {frame}: {len(pcm)} samples, reference has {len(ref)}"
+        err = np.abs(pcm - ref).max()
+        assert err < atol, f"chunk at frame {frame}: max abs error {err:.2e}"
+        frame += len(codes)
+    assert frame == len(result.codes)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_path_matches_transformers(mesh, reference, path):
+    case_name, speech = PATHS[path]
+    case = CASES[case_name]
+    ids, codes, wave = reference.generate(case, max_tokens=10, speech=speech, frames=14)
+    res = generate(mesh.gateway_address, case.request(speech=speech, max_tokens=10, frames=14))
+    assert res.token_ids == ids
+    assert res.text == reference.tokenizer.decode(ids, skip_special_tokens=True)
+    usage = res.finished.usage
+    assert usage.completion_tokens == len(ids) and usage.prompt_tokens > 0
+    assert res.finished.reason in (omni_pb2.FINISH_REASON_STOP, omni_pb2.FINISH_REASON_LENGTH)
+    if not speech:
+        assert res.pcm == [] and usage.audio_seconds == 0
+        return
+    assert res.codes == codes and len(codes) > 0
+    assert usage.audio_frames == len(codes)
+    assert usage.audio_seconds == pytest.approx(res.samples / 24000)
+    assert 0 < usage.time_to_first_token_seconds <= usage.time_to_first_audio_seconds
+    check_waveform(res, wave)
+    assert res.events.index("audio") < len(res.events) - 1 and res.events[-1] == "finished"
+
+
+def test_long_speech_streams_before_the_text_ends(mesh, reference):
+    """40 frames in chunks of 8 with 25 frames of left context: later chunks approximate the whole decode."""
+    case = CASES["image"]
+    ids, codes, wave = reference.generate(case, max_tokens=30, speech=True, frames=40)
+    res = generate(mesh.gateway_address, case.request(speech=True, max_tokens=30, frames=40))
+    assert res.token_ids == ids and res.codes == codes
+    frame = 0
+    for pcm, chunk in zip(res.pcm, res.chunk_codes):
+        ref = wave[frame * SAMPLES_PER_FRAME: frame * SAMPLES_PER_FRAME + len(pcm)]
+        rel = np.sqrt(np.mean((pcm - ref) ** 2) / np.mean(ref ** 2))
+        assert rel < (1e-3 if frame <= 25 else 2e-2), f"chunk at frame {frame}: relative RMS error {rel:.2e}"
+        frame += len(chunk)
+    # The talker starts before the thinker is done: audio arrives between text deltas.
+    first_audio, last_text = res.events.index("audio"), len(res.events) - 1 - res.events[::-1].index("text")
+    assert first_audio < last_text
+
+
+def test_wav_output_and_voices(mesh):
+    req = CASES["text"].request(speech=True, max_tokens=6, frames=8, voice="Chelsie", codes=False)
+    req.audio_format = omni_pb2.AUDIO_FORMAT_WAV
+    with grpc.insecure_channel(mesh.gateway_address) as ch:
+        audio = [r.audio for r in omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=60) if r.HasField("audio")]
+    assert len(audio) == 1 and audio[0].format == omni_pb2.AUDIO_FORMAT_WAV
+    import io
+    import wave as wavmod
+
+    with wavmod.open(io.BytesIO(audio[0].data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2) and w.getnframes() > 0
+
+
+def test_concurrent_mixed_requests(mesh, reference):
+    jobs = [(name, *PATHS[name]) for name in ["t2t", "i2s", "s2t", "t2s", "i2t", "s2s", "mixed2s", "v2t"] * 2]
+    expected = {name: reference.generate(CASES[case], max_tokens=8, speech=speech, frames=10) for name, case, speech in jobs}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: generate(mesh.gateway_address, CASES[j[1]].request(j[2], 8, 10)), jobs))
+    for (name, _, speech), res in zip(jobs, results):
+        ids, codes, _ = expected[name]
+        assert res.token_ids == ids, name
+        if speech:
+            assert res.codes == codes, name
+
+
+def test_sampling_is_seeded(mesh):
+    req = CASES["text"].request(speech=True, max_tokens=12, frames=10, greedy=False)
+    req.sampling.seed, req.talker_sampling.seed = 7, 9
+    a, b = generate(mesh.gateway_address, req), generate(mesh.gateway_address, req)
+    assert a.token_ids == b.token_ids and a.codes == b.codes
+    req.sampling.seed = 8
+    assert generate(mesh.gateway_address, req).token_ids != a.token_ids
+
+
+def test_stop_strings_and_fixed_length(mesh, reference):
+    case = CASES["text"]
+    full = generate(mesh.gateway_address, case.request(max_tokens=20))
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    req = case.request(max_tokens=20)
+    req.sampling.stop.append(stop)
+    res = generate(mesh.gateway_address, req)
+    assert res.finished.reason == omni_pb2.FINISH_REASON_STOP_STRING
+    assert res.text == full.text[:full.text.find(stop)]
+    req = case.request(max_tokens=17)
+    req.sampling.ignore_eos = True
+    res = generate(mesh.gateway_address, req)
+    assert len(res.token_ids) == res.finished.usage.completion_tokens == 17
+    assert res.finished.reason == omni_pb2.FINISH_REASON_LENGTH
+
+
+def test_model_info(mesh):
+    with grpc.insecure_channel(mesh.gateway_address) as ch:
+        info = omni_pb2_grpc.OmniStub(ch).GetModelInfo(omni_pb2.GetModelInfoRequest(), timeout=10)
+    assert set(info.voices) == {"aiden", "chelsie", "ethan"} and info.default_voice == "ethan"
+    assert omni_pb2.MODALITY_AUDIO in info.output_modalities and info.audio_sample_rate == 24000
+    assert info.limits.max_media_items == 4
+
+
+def test_health_and_reflection(mesh):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for stage in mesh.cfg.STAGES:
+        for r in mesh.cfg.replicas(stage):
+            with grpc.insecure_channel(r.address) as ch:
+                assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+                reply = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+                names = {s.name for s in reply.list_services_response.service}
+                assert "grpc.health.v1.Health" in names and any(n.startswith("omni.") for n in names), names
+
+
+def test_encodes_are_routed_by_output_modality(mesh):
+    from client_util import metric
+
+    ports = [r.metrics_port for r in mesh.cfg.encoder.replicas]
+    before = [metric(p, "omni_requests_total", method="Encode") for p in ports]
+    for speech in (False, True, False, True):
+        generate(mesh.gateway_address, CASES["image"].request(speech=speech, max_tokens=2, frames=2))
+    after = [metric(p, "omni_requests_total", method="Encode") for p in ports]
+    # Replica 0 is preferred for text output, replica 1 for audio output (see conftest.write_config).
+    assert [a - b for a, b in zip(after, before)] == [2, 2]
