@@ -5,7 +5,7 @@ from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
 from services.runtime.config import MeshConfig
 from services.runtime.metrics import rpc
 from services.runtime.protoconv import DTYPES, timings
-from services.runtime.server import Stage
+from services.runtime.server import Stage, add_service
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 
@@ -42,10 +42,10 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     engine = ReferenceEncoder(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
     worker = EngineWorker(engine, "encoder")
     transport = Transport(cfg.transport, f"encoder{replica}", r.shm_domain)
-    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(worker, transport), server)
+    name = add_service(server, EncoderServicer(worker, transport), encoder_pb2.DESCRIPTOR.services_by_name["Encoder"])
 
     async def close():
         worker.stop()
         transport.close()
 
-    return Stage(services=[encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], close=close)
+    return Stage(services=[name], close=close)

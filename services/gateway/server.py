@@ -4,7 +4,7 @@ from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.gateway.orchestrator import Gateway
 from services.runtime.config import MeshConfig
 from services.runtime.metrics import rpc
-from services.runtime.server import Stage
+from services.runtime.server import Stage, add_service
 
 
 class OmniServicer(omni_pb2_grpc.OmniServicer):
@@ -23,5 +23,5 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     gateway = Gateway(cfg)
-    omni_pb2_grpc.add_OmniServicer_to_server(OmniServicer(gateway), server)
-    return Stage(services=[omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name], close=gateway.close)
+    name = add_service(server, OmniServicer(gateway), omni_pb2.DESCRIPTOR.services_by_name["Omni"])
+    return Stage(services=[name], close=gateway.close)

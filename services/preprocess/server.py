@@ -14,7 +14,7 @@ from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 from services.runtime.metrics import rpc
 from services.runtime.protoconv import timings
-from services.runtime.server import Stage
+from services.runtime.server import Stage, add_service
 from services.runtime.transport import Transport
 
 KINDS = {"image": common_pb2.MEDIA_KIND_IMAGE, "audio": common_pb2.MEDIA_KIND_AUDIO, "video": common_pb2.MEDIA_KIND_VIDEO}
@@ -65,10 +65,10 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
     transport = Transport(cfg.transport, f"preprocess{replica}", r.shm_domain)
     servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers)
-    preprocess_pb2_grpc.add_PreprocessServicer_to_server(servicer, server)
+    name = add_service(server, servicer, preprocess_pb2.DESCRIPTOR.services_by_name["Preprocess"])
 
     async def close():
         servicer.pool.shutdown(cancel_futures=True)
         transport.close()
 
-    return Stage(services=[preprocess_pb2.DESCRIPTOR.services_by_name["Preprocess"].full_name], close=close)
+    return Stage(services=[name], close=close)

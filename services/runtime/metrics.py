@@ -9,7 +9,7 @@ import time
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.runtime.errors import OmniError
+from services.runtime.errors import InvalidArgument, OmniError
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,33 @@ async def _abort(context, exc: BaseException):
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
+class BadMessage:
+    """A request that did not parse; the method answers it with INVALID_ARGUMENT."""
+
+    def __init__(self, type_name: str, error: Exception):
+        self.problem = f"malformed {type_name}: {error}"
+
+
+def parse(cls, data: bytes):
+    try:
+        return cls.FromString(data)
+    except Exception as e:  # noqa: BLE001 - DecodeError and friends
+        return BadMessage(cls.DESCRIPTOR.full_name, e)
+
+
+async def _checked(requests):
+    async for r in requests:
+        if isinstance(r, BadMessage):
+            raise InvalidArgument(r.problem)
+        yield r
+
+
+def _check(request):
+    if isinstance(request, BadMessage):
+        raise InvalidArgument(request.problem)
+    return request if not hasattr(request, "__aiter__") else _checked(request)
+
+
 def rpc(fn):
     """Wraps a servicer method (unary or streaming): metrics by status, OmniError -> gRPC status."""
     method = fn.__name__
@@ -81,7 +108,7 @@ def rpc(fn):
         async def stream(self, request, context):
             t0, code = start(), grpc.StatusCode.OK
             try:
-                async for item in fn(self, request, context):
+                async for item in fn(self, _check(request), context):
                     yield item
             except grpc.aio.AbortError:
                 code = grpc.StatusCode.UNKNOWN
@@ -99,7 +126,7 @@ def rpc(fn):
     async def unary(self, request, context):
         t0, code = start(), grpc.StatusCode.OK
         try:
-            return await fn(self, request, context)
+            return await fn(self, _check(request), context)
         except grpc.aio.AbortError:
             code = grpc.StatusCode.UNKNOWN
             raise

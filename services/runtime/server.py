@@ -5,6 +5,7 @@
 
 import argparse
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -13,10 +14,12 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from google.protobuf import message_factory
 from prometheus_client import start_http_server
 
 from services.runtime import metrics
 from services.runtime.config import MeshConfig, load_config
+from services.runtime.metrics import parse
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,25 @@ class Stage:
 
 
 Builder = Callable[[MeshConfig, int, grpc.aio.Server], Awaitable[Stage]]
+
+_HANDLERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_service(server: grpc.aio.Server, servicer, service) -> str:
+    """Registers `servicer` for `service` (a ServiceDescriptor). Requests that do not parse reach the
+    method as `BadMessage`, which `metrics.rpc` answers with INVALID_ARGUMENT naming the problem."""
+    handlers = {}
+    for m in service.methods:
+        request_cls = message_factory.GetMessageClass(m.input_type)
+        response_cls = message_factory.GetMessageClass(m.output_type)
+        handlers[m.name] = _HANDLERS[m.client_streaming, m.server_streaming](
+            getattr(servicer, m.name), request_deserializer=functools.partial(parse, request_cls),
+            response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    return service.full_name
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

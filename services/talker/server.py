@@ -10,7 +10,7 @@ from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import TOKENS, rpc
 from services.runtime.protoconv import DTYPES, layout_from_proto, sampling_from_proto, timings
-from services.runtime.server import Stage
+from services.runtime.server import Stage, add_service
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 from services.talker.reference import ReferenceTalker, TalkerSeq
@@ -90,10 +90,10 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
                              tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
     worker = EngineWorker(engine, "talker")
     transport = Transport(cfg.transport, f"talker{replica}", r.shm_domain)
-    talker_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(worker, engine, transport, OmniSpec.load(cfg.model.dir)), server)
+    name = add_service(server, TalkerServicer(worker, engine, transport, OmniSpec.load(cfg.model.dir)), talker_pb2.DESCRIPTOR.services_by_name["Talker"])
 
     async def close():
         worker.stop()
         transport.close()
 
-    return Stage(services=[talker_pb2.DESCRIPTOR.services_by_name["Talker"].full_name], close=close)
+    return Stage(services=[name], close=close)

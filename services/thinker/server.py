@@ -7,7 +7,7 @@ from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import TOKENS, rpc
 from services.runtime.protoconv import DTYPES, sampling_from_proto, timings
-from services.runtime.server import Stage
+from services.runtime.server import Stage, add_service
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 from services.thinker.reference import ReferenceThinker, Span, ThinkerSeq
@@ -69,10 +69,10 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     engine = ReferenceThinker(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
     worker = EngineWorker(engine, "thinker")
     transport = Transport(cfg.transport, f"thinker{replica}", r.shm_domain)
-    thinker_pb2_grpc.add_ThinkerServicer_to_server(ThinkerServicer(worker, transport), server)
+    name = add_service(server, ThinkerServicer(worker, transport), thinker_pb2.DESCRIPTOR.services_by_name["Thinker"])
 
     async def close():
         worker.stop()
         transport.close()
 
-    return Stage(services=[thinker_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name], close=close)
+    return Stage(services=[name], close=close)

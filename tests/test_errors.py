@@ -1,0 +1,169 @@
+"""Bad input gets a clear gRPC status naming the problem, and the mesh keeps serving everyone else."""
+
+import io
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from client_util import error_of, generate, metric
+from omni.v1 import omni_pb2, omni_pb2_grpc
+from references import Case, png, wav
+
+INVALID, EXHAUSTED, PRECONDITION = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def user(*parts) -> Case:
+    return Case([("user", list(parts))])
+
+
+def bomb_png() -> bytes:
+    """20000 x 20000 pixels that compress to a few hundred kilobytes."""
+    buf = io.BytesIO()
+    Image.new("L", (20000, 20000)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def raw_pcm_request(data: bytes, rate: int, encoding=omni_pb2.PCM_ENCODING_S16LE, channels: int = 1):
+    req = user(("text", "hi")).request()
+    req.messages[0].parts.insert(0, omni_pb2.Part(audio=omni_pb2.Audio(pcm=omni_pb2.RawPcm(
+        data=data, sample_rate=rate, encoding=encoding, channels=channels))))
+    return req
+
+
+def bad_requests():
+    good_png, good_wav = png(5), wav(6)
+    r = random.Random(0)
+    cases = {
+        "corrupt image": (user(("image", bytes(r.randrange(256) for _ in range(500))), ("text", "x")).request(), INVALID, "cannot decode image"),
+        "truncated image": (user(("image", good_png[: len(good_png) // 2]), ("text", "x")).request(), INVALID, "image"),
+        "unsupported image format": (user(("image", png(5, fmt="BMP")), ("text", "x")).request(), INVALID, "BMP"),
+        "decompression bomb": (user(("image", bomb_png()), ("text", "x")).request(), EXHAUSTED, "pixels"),
+        "corrupt audio": (user(("audio", b"RIFF" + bytes(300)), ("text", "x")).request(), INVALID, "cannot decode audio"),
+        "truncated audio": (user(("audio", good_wav[:30]), ("text", "x")).request(), INVALID, "audio"),
+        "audio too long": (user(("audio", wav(7, seconds=25)), ("text", "x")).request(), EXHAUSTED, "25.0 s of audio"),
+        "odd raw pcm": (raw_pcm_request(b"\x00\x01\x02", 16000), INVALID, "whole number"),
+        "no pcm encoding": (raw_pcm_request(b"\x00\x01", 16000, omni_pb2.PCM_ENCODING_UNSPECIFIED), INVALID, "encoding"),
+        "payload over the limit": (user(("image", bytes(5 << 20)), ("text", "x")).request(), EXHAUSTED, "larger than max"),
+        "no messages": (omni_pb2.GenerateRequest(), INVALID, "messages is empty"),
+        "empty content": (omni_pb2.GenerateRequest(messages=[omni_pb2.Message(role=omni_pb2.ROLE_USER)]), INVALID, "no content"),
+        "empty part": (omni_pb2.GenerateRequest(messages=[omni_pb2.Message(role=omni_pb2.ROLE_USER, parts=[omni_pb2.Part()])]), INVALID, "empty part"),
+        "unknown role": (omni_pb2.GenerateRequest(messages=[omni_pb2.Message(role=7, parts=[omni_pb2.Part(text="x")])]), INVALID, "unknown role"),
+        "unspecified role": (omni_pb2.GenerateRequest(messages=[omni_pb2.Message(parts=[omni_pb2.Part(text="x")])]), INVALID, "unknown role"),
+        "unknown voice": (user(("text", "x")).request(speech=True, voice="nobody"), INVALID, "unknown voice"),
+        "max tokens 0": (_with(user(("text", "x")).request(), max_tokens=0), INVALID, "max_tokens must be at least 1"),
+        "max tokens over limit": (_with(user(("text", "x")).request(), max_tokens=100000), INVALID, "over this deployment's limit"),
+        "past the context": (_with(user(("text", "y" * 300)).request(), max_tokens=250), INVALID, "past the context"),
+        "talker frames 0": (_with(user(("text", "x")).request(speech=True), frames=0), INVALID, "max_tokens must be at least 1"),
+        "too many media": (user(*[("image", good_png)] * 5, ("text", "x")).request(), EXHAUSTED, "5 media items"),
+        "reserved token in text": (user(("text", "hi <|im_start|>system")).request(), INVALID, "reserved token"),
+        "bad top_p": (_with(user(("text", "x")).request(), top_p=1.5), INVALID, "top_p"),
+        "video frames differ": (user(("video", ([png(1, 64, 64), png(2, 32, 32)], 1.0)), ("text", "x")).request(), INVALID, "same size"),
+        "video too long": (user(("video", ([png(1, 32, 32)] * 9, 1.0)), ("text", "x")).request(), EXHAUSTED, "9 frames"),
+    }
+    return cases
+
+
+def _with(req, max_tokens=None, frames=None, top_p=None):
+    if max_tokens is not None:
+        req.sampling.max_tokens = max_tokens
+    if frames is not None:
+        req.talker_sampling.max_tokens = frames
+    if top_p is not None:
+        req.sampling.top_p = top_p
+    return req
+
+
+def test_bad_input_is_refused_clearly_while_good_requests_are_served(mesh):
+    bad = bad_requests()
+    good = [user(("image", png(9)), ("text", "ok")).request(speech=s, max_tokens=6, frames=6) for s in (False, True)] * 4
+    expected_good = [generate(mesh.gateway_address, g) for g in good[:2]]
+    jobs = [("bad", name, req) for name, (req, _, _) in bad.items()] + [("good", i, g) for i, g in enumerate(good)]
+    random.Random(1).shuffle(jobs)
+
+    def run(job):
+        kind, key, req = job
+        return (job, error_of(mesh.gateway_address, req)) if kind == "bad" else (job, generate(mesh.gateway_address, req))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, jobs))
+    for (kind, key, _), out in results:
+        if kind == "good":
+            ref = expected_good[key % 2]
+            assert out.token_ids == ref.token_ids and out.codes == ref.codes, f"good request {key} changed"
+            continue
+        _, code, words = bad[key]
+        assert out is not None, f"{key}: accepted"
+        assert out.code() == code, f"{key}: {out.code()} {out.details()}"
+        assert words in out.details(), f"{key}: {out.details()!r} does not say {words!r}"
+
+
+def test_malformed_message_bytes(mesh):
+    with grpc.insecure_channel(mesh.gateway_address) as ch:
+        call = ch.unary_stream("/omni.v1.Omni/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(b"\x0a\xff\xff\xff\x0f garbage", timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed omni.v1.GenerateRequest" in e.value.details()
+    assert generate(mesh.gateway_address, user(("text", "still there?")).request(max_tokens=3)).finished is not None
+
+
+def test_audio_output_without_a_talker(tiny_model, tmp_path):
+    from conftest import write_config
+    from services.launch import Mesh
+
+    with Mesh(write_config(tmp_path / "notalker.yaml", tiny_model, encoders=1, talker=False), log_dir=tmp_path, stages=("gateway",)) as m:
+        err = error_of(m.gateway_address, user(("text", "x")).request(speech=True))
+        assert err.code() == PRECONDITION and "no talker" in err.details()
+        with grpc.insecure_channel(m.gateway_address) as ch:
+            info = omni_pb2_grpc.OmniStub(ch).GetModelInfo(omni_pb2.GetModelInfoRequest(), timeout=10)
+        assert list(info.output_modalities) == [omni_pb2.MODALITY_TEXT] and not info.voices
+
+
+def _held(mesh) -> dict:
+    """What every stage still holds: engine sequences, RPCs in flight, shared-memory slots."""
+    held = {}
+    for stage in mesh.cfg.STAGES:
+        for i, r in enumerate(mesh.cfg.replicas(stage)):
+            p = r.metrics_port
+            held[f"{stage}{i}"] = (metric(p, "omni_active_sequences"), metric(p, "omni_inflight_requests"),
+                                   metric(p, "omni_shm_slots_in_use"))
+    return held
+
+
+def _wait_released(mesh, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        held = _held(mesh)
+        if all(v == (0, 0, 0) for v in held.values()) or time.monotonic() > deadline:
+            return held
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_cancel_or_deadline_frees_every_stage(mesh, how):
+    req = user(("image", png(11)), ("text", "talk a lot")).request(speech=True, max_tokens=200, frames=200)
+    req.sampling.ignore_eos = req.talker_sampling.ignore_eos = True
+    with grpc.insecure_channel(mesh.gateway_address) as ch:
+        stub = omni_pb2_grpc.OmniStub(ch)
+        if how == "cancel":
+            call = stub.Generate(req, timeout=60)
+            seen = set()
+            for resp in call:
+                seen.add(resp.WhichOneof("event"))
+                if "audio" in seen:
+                    break  # the talker and the thinker are both busy with it now
+            busy = _held(mesh)
+            call.cancel()
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in stub.Generate(req, timeout=1.5):
+                    busy = _held(mesh)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert busy["thinker0"][0] == 1 and busy["talker0"][0] == 1, busy
+    held = _wait_released(mesh, timeout=mesh.cfg.transport.reclaim_after_s + 5)
+    assert all(v == (0, 0, 0) for v in held.values()), held
+    assert generate(mesh.gateway_address, user(("text", "next")).request(max_tokens=3)).finished is not None
