@@ -81,7 +81,7 @@ class ShmPool:
             return None
 
     def write(self, offset: int, data: torch.Tensor) -> None:
-        flat = data.contiguous().view(torch.uint8).reshape(-1)
+        flat = data.contiguous().reshape(-1).view(torch.uint8)
         torch.frombuffer(self._mm, dtype=torch.uint8, count=flat.numel(), offset=offset).copy_(flat)
 
     def sweep(self) -> None:
@@ -182,7 +182,7 @@ class Transport:
             raise TypeError(f"unsupported dtype {tensor.dtype}")
         ref = tensor_pb2.TensorRef(dtype=DTYPES[tensor.dtype], shape=list(tensor.shape))
         nbytes = tensor.numel() * tensor.element_size()
-        if self.shm_domain and placement is not None and placement.shm_domain == self.shm_domain:
+        if nbytes and self.shm_domain and placement is not None and placement.shm_domain == self.shm_domain:
             got = self.pool.alloc(nbytes)
             if got is not None:
                 slot, gen, offset = got
@@ -192,7 +192,7 @@ class Transport:
                 metrics.TRANSPORT_TRANSFERS.labels("shm", "out").inc()
                 return ref
             metrics.SHM_FALLBACKS.inc()
-        ref.inline_data = tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        ref.inline_data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         metrics.TRANSPORT_BYTES.labels("inline", "out").inc(nbytes)
         metrics.TRANSPORT_TRANSFERS.labels("inline", "out").inc()
         return ref
@@ -208,7 +208,7 @@ class Transport:
         if where == "inline_data":
             if len(ref.inline_data) != count * dtype.itemsize:
                 raise ValueError(f"TensorRef inline data has {len(ref.inline_data)} bytes, shape {shape} needs {count * dtype.itemsize}")
-            out = torch.frombuffer(bytearray(ref.inline_data), dtype=dtype, count=count).reshape(shape)
+            out = torch.frombuffer(bytearray(ref.inline_data), dtype=dtype).reshape(shape) if count else torch.empty(shape, dtype=dtype)
             metrics.TRANSPORT_BYTES.labels("inline", "in").inc(len(ref.inline_data))
             metrics.TRANSPORT_TRANSFERS.labels("inline", "in").inc()
             return out.to(device)
@@ -216,10 +216,16 @@ class Transport:
             s = ref.shm
             view = self._view(s.pool)
             entry = view.entry(s.slot)
-            if int(entry["generation"]) != s.generation:
-                raise ValueError(f"shm slot {s.pool}/{s.slot} was reclaimed before it was read")
+
+            def live() -> bool:
+                return int(entry["generation"]) == s.generation and int(entry["released"]) != s.generation
+
+            if not live():
+                raise ValueError(f"shm slot {s.pool}/{s.slot} was released or reclaimed before it was read")
             src = torch.frombuffer(view.mm, dtype=dtype, count=count, offset=s.offset).reshape(shape)
             out = src.to(device, copy=True)
+            if not live():  # reclaimed while we copied: what we read may be another tensor's
+                raise ValueError(f"shm slot {s.pool}/{s.slot} was reclaimed while it was read")
             entry["released"] = s.generation
             metrics.TRANSPORT_BYTES.labels("shm", "in").inc(s.nbytes)
             metrics.TRANSPORT_TRANSFERS.labels("shm", "in").inc()

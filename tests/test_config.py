@@ -1,0 +1,48 @@
+"""The mesh config is typed and checked when loaded."""
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from services.runtime.config import ConfigError, load_config
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def base():
+    return {"model": {"path": "x"}, "gateway": {"replicas": [{"port": 1, "metrics_port": 2}]},
+            "preprocess": {"replicas": [{"port": 3, "metrics_port": 4}]}, "encoder": {"replicas": [{"port": 5, "metrics_port": 6}]},
+            "thinker": {"replicas": [{"port": 7, "metrics_port": 8}]}}
+
+
+def test_shipped_configs_load():
+    for name in ("local.yaml", "2xh200.yaml"):
+        cfg = load_config(ROOT / "configs" / name)
+        assert cfg.thinker.replicas and cfg.gateway.replicas
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["model"].update(pathh="y"), "unknown key"),
+    (lambda c: c["model"].update(dtype="float64"), "not one of"),
+    (lambda c: c["thinker"]["replicas"][0].update(port="80"), "expected int"),
+    (lambda c: c["thinker"]["replicas"][0].update(port=1), "already used"),
+    (lambda c: c["thinker"].update(replicas=[]), "at least one replica"),
+    (lambda c: c["encoder"]["replicas"][0].update(prefer_for=["video"]), "not one of"),
+    (lambda c: c["limits"].update(max_new_tokens=True) if "limits" in c else c.update(limits={"max_new_tokens": True}), "expected int"),
+    (lambda c: c["model"].update(path=""), "model.path is required"),
+])
+def test_mistakes_are_named(tmp_path, change, message):
+    data = base()
+    change(data)
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, data))
+
+
+def test_random_weights_need_no_checkpoint(tmp_path):
+    data = base()
+    data["model"] = {"load_format": "random"}
+    assert load_config(write(tmp_path, data)).model.dir is None

@@ -1,0 +1,58 @@
+"""The launcher: one command starts every stage, reports healthy, serves, and stops them all on Ctrl-C."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, write_config
+
+
+def _stage_pids(config: Path) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", str(config)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_launch_demo_and_ctrl_c(tiny_model, tmp_path):
+    config = write_config(tmp_path / "launch.yaml", tiny_model, encoders=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.launch", "--config", str(config), "--demo", "--log-dir", str(tmp_path / "logs")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, "launcher exited:\n" + "".join(lines)
+        lines.append(line)
+        if line.startswith("finished:"):
+            break
+    log = "".join(lines)
+    assert "mesh ready" in log and re.search(r"finished: FINISH_REASON_\w+, \d+ prompt \+ 24 completion tokens", log), log
+    assert (ROOT / "out" / "demo.wav").stat().st_size > 44
+    assert len(_stage_pids(config)) == 6  # the launcher and its five stages
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, rest
+    assert re.search(r"stopped: gateway-0=0, preprocess-0=0, encoder-0=0, thinker-0=0, talker-0=0", rest), rest
+    assert _stage_pids(config) == []
+    assert not [p for p in Path("/dev/shm").glob("omni-*") if not Path(f"/proc/{p.name.rsplit('-', 1)[1]}").exists()]
+
+
+def test_stages_die_with_a_killed_launcher(tiny_model, tmp_path):
+    config = write_config(tmp_path / "kill.yaml", tiny_model, encoders=1)
+    proc = subprocess.Popen([sys.executable, "-m", "services.launch", "--config", str(config), "--log-dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    for line in proc.stdout:
+        if "mesh ready" in line:
+            break
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while _stage_pids(config) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _stage_pids(config) == []

@@ -1,0 +1,123 @@
+"""Tensor transport: shared memory between processes of one host, inline bytes otherwise."""
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from omni.stage.v1 import tensor_pb2
+from services.runtime import metrics
+from services.runtime.config import TransportConfig
+from services.runtime.transport import Transport
+
+HERE = tensor_pb2.Placement(shm_domain="local")
+ELSEWHERE = tensor_pb2.Placement(shm_domain="other-host")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8]
+SHAPES = [(), (0,), (7,), (3, 5), (2, 3, 4)]
+
+
+def make(dtype, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 100).to(dtype)
+
+
+@pytest.fixture
+def pair():
+    cfg = TransportConfig(pool_bytes=1 << 20, max_slots=64, reclaim_after_s=1.0)
+    producer, consumer = Transport(cfg, "testprod", "local"), Transport(cfg, "testcons", "local")
+    yield producer, consumer
+    producer.close()
+
+
+@pytest.mark.parametrize("placement", [HERE, ELSEWHERE], ids=["shm", "inline"])
+def test_round_trip_is_bit_exact(pair, placement):
+    producer, consumer = pair
+    for i, dtype in enumerate(DTYPES):
+        for shape in SHAPES:
+            t = make(dtype, shape, i)
+            ref = producer.put(t, placement)
+            assert ref.WhichOneof("location") == ("shm" if placement is HERE and t.numel() else "inline_data")
+            back = consumer.get(ref)
+            assert back.dtype == dtype and tuple(back.shape) == shape and torch.equal(back, t)
+    producer.pool.sweep() if placement is HERE else None
+    assert placement is not HERE or producer.pool.slots_in_use == 0
+
+
+def test_unreleased_slots_are_reclaimed(pair):
+    producer, consumer = pair
+    before = metrics.SHM_RECLAIMED._value.get()
+    refs = [producer.put(make(torch.float32, (100,), i), HERE) for i in range(5)]
+    assert producer.pool.slots_in_use == 5
+    consumer.get(refs[0])  # released by its reader
+    producer.pool.sweep()
+    assert producer.pool.slots_in_use == 4
+    time.sleep(1.3)
+    producer.pool.sweep()
+    assert producer.pool.slots_in_use == 0 and metrics.SHM_RECLAIMED._value.get() - before == 4
+    with pytest.raises(ValueError, match="released or reclaimed before it was read"):
+        consumer.get(refs[1])
+
+
+def _die_holding(ref_bytes: bytes, ready) -> None:
+    from services.runtime.config import TransportConfig as C
+    from services.runtime.transport import Transport as T
+
+    ref = tensor_pb2.TensorRef.FromString(ref_bytes)
+    view = T(C(), "dying", "local")._view(ref.shm.pool)  # maps the pool, never reads or releases the slot
+    assert view is not None
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_killed_consumer_leaves_no_slot_held():
+    reclaim = 8.0
+    producer = Transport(TransportConfig(pool_bytes=1 << 20, reclaim_after_s=reclaim), "killtest", "local")
+    t0 = time.monotonic()
+    ref = producer.put(make(torch.float32, (1000,)), HERE)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_die_holding, args=(ref.SerializeToString(), ready))
+    proc.start()
+    assert ready.wait(30)
+    proc.kill()
+    proc.join()
+    assert time.monotonic() - t0 < reclaim and producer.pool.slots_in_use == 1
+    time.sleep(reclaim - (time.monotonic() - t0) + 2.5)  # the pool's own sweeper reclaims it; nobody calls sweep()
+    assert producer.pool.slots_in_use == 0
+    producer.close()
+
+
+def test_a_full_pool_falls_back_to_inline_without_corruption():
+    cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60)
+    producer, consumer = Transport(cfg, "small", "local"), Transport(cfg, "smallc", "local")
+    try:
+        before = metrics.SHM_FALLBACKS._value.get()
+        tensors = [make(torch.float32, (300,), i) for i in range(8)]  # 1200 bytes each: 3 fit, then the slots run out
+        refs = [producer.put(t, HERE) for t in tensors]
+        kinds = [r.WhichOneof("location") for r in refs]
+        assert kinds.count("shm") == 3 and kinds.count("inline_data") == 5
+        assert metrics.SHM_FALLBACKS._value.get() - before == 5
+        assert all(torch.equal(consumer.get(r), t) for r, t in zip(refs, tensors))
+        producer.pool.sweep()
+        assert producer.pool.slots_in_use == 0
+        assert producer.put(tensors[0], HERE).WhichOneof("location") == "shm"  # space is back once released
+    finally:
+        producer.close()
+
+
+def test_shm_off_or_unknown_domain_goes_inline():
+    off = Transport(TransportConfig(shm=False), "off", "local")
+    assert off.put(torch.ones(3), HERE).WhichOneof("location") == "inline_data"
+    on = Transport(TransportConfig(), "on", "local")
+    assert on.put(torch.ones(3), tensor_pb2.Placement()).WhichOneof("location") == "inline_data"
+
+
+def test_malformed_refs_are_refused(pair):
+    _, consumer = pair
+    with pytest.raises(ValueError, match="inline data has 3 bytes"):
+        consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2], inline_data=b"abc"))
+    with pytest.raises(ValueError, match="not a tensor pool"):
+        consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1], shm=tensor_pb2.ShmSlot(pool="../etc/passwd")))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        consumer.get(tensor_pb2.TensorRef(dtype=99, shape=[1], inline_data=b"abcd"))
