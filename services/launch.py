@@ -7,7 +7,6 @@ import argparse
 import ctypes
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from services.runtime.config import REPO_ROOT, MeshConfig, load_config
 from services.runtime.probe import is_serving
+from services.runtime.transport import clean_stale_pools
 
 log = logging.getLogger("launch")
 
@@ -23,14 +23,6 @@ log = logging.getLogger("launch")
 def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG: a stage never outlives its launcher, even one killed with SIGKILL.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def clean_stale_pools() -> None:
-    """Removes tensor pools left in /dev/shm by stage processes that no longer exist."""
-    for path in Path("/dev/shm").glob("omni-*"):
-        m = re.search(r"-(\d+)$", path.name)
-        if m and not Path(f"/proc/{m.group(1)}").exists():
-            path.unlink(missing_ok=True)
 
 
 class Mesh:

@@ -36,6 +36,14 @@ DTYPES = {
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
+def clean_stale_pools() -> None:
+    """Removes pools left in /dev/shm by processes that no longer exist (a stage that crashed)."""
+    for path in SHM_DIR.glob("omni-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 class ShmPool:
     """A producer's pool: a slot table and a first-fit allocator over one /dev/shm file."""
 
@@ -172,6 +180,7 @@ class Transport:
     def pool(self) -> ShmPool:
         with self._lock:
             if self._pool is None:
+                clean_stale_pools()
                 name = f"omni-{self.owner}-{os.getpid()}"
                 self._pool = ShmPool(name, self.cfg.pool_bytes, self.cfg.max_slots, self.cfg.reclaim_after_s)
             return self._pool
