@@ -1,0 +1,187 @@
+"""The peer: transformers' own Qwen3-Omni `generate()`, in this process, on the same inputs and lengths.
+
+A cell at concurrency B runs its requests in batches of B (left padding), one batch after another.
+Weights: `load_format: random` builds the model on the device and draws exactly the mesh's random
+weights for the same seed (`init_full_model_`); otherwise the checkpoint is loaded.
+Token times come from a streamer on the thinker (every row of a batch gets its token at the same step);
+speech comes out of `generate()` whole, so time to first audio is the batch's latency.
+"""
+
+import io
+import math
+import re
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from bench.loadgen import LoopResult
+from bench.records import RequestRecord
+from bench.workloads import MediaSpec, Workload, conversation, sampling_seeds
+from services.model.spec import OmniSpec, audio_tokens
+from services.runtime.config import MeshConfig
+from services.runtime.protoconv import DTYPES
+
+
+class StepTimes(BaseStreamer):
+    """Records when each generated token reaches the host (the first put is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def sampling_kwargs(d, prefix: str = "") -> dict:
+    """generate() arguments for the deployment's sampling defaults (services.runtime.config.SamplingDefaults)."""
+    kw = {"do_sample": d.temperature > 0, "temperature": d.temperature or 1.0, "top_p": d.top_p, "top_k": d.top_k,
+          "repetition_penalty": d.repetition_penalty}
+    return {prefix + k: v for k, v in kw.items()}
+
+
+def build_model(cfg: MeshConfig, device: str):
+    from transformers import logging
+    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
+
+    from services.model.load import _default_dtype, init_full_model_, load_config
+
+    logging.set_verbosity_error()
+    dtype = DTYPES[cfg.model.dtype]
+    if cfg.model.load_format == "random":
+        # Built on the device itself (not meta: that would leave buffers uninitialised), then the mesh's weights drawn.
+        with torch.device(device), _default_dtype(dtype):
+            model = Qwen3OmniMoeForConditionalGeneration(load_config(cfg.model.dir))
+        init_full_model_(model, cfg.model.seed)
+    else:
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(cfg.model.dir, dtype=dtype).to(device)
+    model.eval()
+    if getattr(model, "has_talker", False):
+        model.talker.config.audio_config = model.config.thinker_config.audio_config  # see tests/references.py
+    return model
+
+
+class HfEngine:
+    def __init__(self, cfg: MeshConfig, device: str, media: MediaSpec, seed_base: int = 0):
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.cfg, self.device, self.media, self.seed_base = cfg, torch.device(device), media, seed_base
+        self.spec = OmniSpec.load(cfg.model.dir)
+        self.model = build_model(cfg, device)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir, padding_side="left")
+        self.images = Qwen2VLImageProcessorPil.from_pretrained(cfg.model.dir)
+        self.audio = WhisperFeatureExtractor.from_pretrained(cfg.model.dir)
+        self.dtype = DTYPES[cfg.model.dtype]
+        self.eos = self.spec.raw["im_end_token_id"]
+        self.samples_per_frame = int(self.model.code2wav.total_upsample) if getattr(self.model, "has_talker", False) else 1920
+
+    def settings(self) -> dict:
+        return {"device": str(self.device), "dtype": self.cfg.model.dtype, "load_format": self.cfg.model.load_format,
+                "seed": self.cfg.model.seed, "attn_implementation": self.model.config._attn_implementation,
+                "thinker_sampling": vars(self.cfg.gateway.thinker), "talker_sampling": vars(self.cfg.gateway.talker),
+                "voice": self.spec.default_voice}
+
+    def inputs(self, w: Workload, indices: list[int]) -> dict:
+        """Model inputs for a batch, prepared as Qwen3OmniMoeProcessor does (see tests/references.py)."""
+        import soundfile as sf
+        from PIL import Image
+
+        texts, images, audios = [], [], []
+        for i in indices:
+            messages = []
+            for role, parts in conversation(w, i, self.media):
+                messages.append({"role": role, "content": [{"type": "text", "text": v} if k == "text" else {"type": k} for k, v in parts]})
+                images += [Image.open(io.BytesIO(v)).convert("RGB") for k, v in parts if k == "image"]
+                audios += [sf.read(io.BytesIO(v), dtype="float32")[0] for k, v in parts if k == "audio"]
+            texts.append(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        kw, counts = {}, {}
+        if images:
+            out = self.images(images=images, return_tensors="pt")
+            kw.update(pixel_values=out["pixel_values"].to(self.dtype), image_grid_thw=out["image_grid_thw"])
+            counts["<|image_pad|>"] = iter((out["image_grid_thw"].prod(-1) // self.images.merge_size**2).tolist())
+        if audios:
+            out = self.audio(audios, sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
+            kw.update(input_features=out["input_features"].to(self.dtype), feature_attention_mask=out["attention_mask"])
+            counts["<|audio_pad|>"] = iter([audio_tokens(int(n), self.spec.n_window) for n in out["attention_mask"].sum(-1)])
+        if counts:  # each placeholder becomes as many tokens as its item takes, in order across the batch
+            pattern = re.compile("|".join(re.escape(p) for p in counts))
+            texts = [pattern.sub(lambda m: m.group(0) * next(counts[m.group(0)]), t) for t in texts]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True)
+        kw.update(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+        return {k: v.to(self.device) for k, v in kw.items()}
+
+    @torch.no_grad()
+    def batch(self, w: Workload, indices: list[int]) -> list[RequestRecord]:
+        """One generate() over the batch; every request's record carries the batch's times."""
+        torch.manual_seed(sampling_seeds(indices[0], self.seed_base)[0])
+        start = time.perf_counter()
+        kw = self.inputs(w, indices)
+        prompt_len = kw["input_ids"].shape[1]
+        timer = StepTimes()
+        if w.speech:
+            seqs, wavs = self.model.generate(
+                **kw, speaker=self.spec.default_voice, thinker_max_new_tokens=w.max_tokens, thinker_min_new_tokens=w.max_tokens,
+                thinker_eos_token_id=self.eos, thinker_streamer=timer, **sampling_kwargs(self.cfg.gateway.thinker, "thinker_"),
+                # one more step than frames: the talker's last step only samples the code that would follow
+                talker_max_new_tokens=w.frames + 1, talker_min_new_tokens=w.frames + 1,
+                **sampling_kwargs(self.cfg.gateway.talker, "talker_"),
+            )
+            samples = [int(x.shape[-1]) for x in (wavs if isinstance(wavs, list) else [wavs])]
+        else:
+            seqs = self.model.thinker.generate(
+                **kw, max_new_tokens=w.max_tokens, min_new_tokens=w.max_tokens, eos_token_id=self.eos, streamer=timer,
+                **sampling_kwargs(self.cfg.gateway.thinker),
+            )
+            samples = [0] * len(indices)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
+        gaps = [b - a for a, b in zip(timer.times, timer.times[1:])]
+        records = []
+        for row, i in enumerate(indices):
+            generated = seqs[row, prompt_len:].tolist()
+            n = generated.index(self.eos) + 1 if self.eos in generated else len(generated)
+            rec = RequestRecord(index=i, start=start, end=end, ttft=(timer.times[0] - start) if timer.times else None,
+                                text_tokens=n, text_deltas=n, itl=list(gaps), usage_tokens=n, prompt_tokens=int(kw["attention_mask"][row].sum()),
+                                finished=True)
+            if w.speech:
+                rec.audio_samples, rec.audio_chunks, rec.ttfa = samples[row], 1, end - start
+                rec.audio_frames = math.ceil(samples[row] / self.samples_per_frame)
+            records.append(rec)
+        return records
+
+    def closed_batches(self, w: Workload, indices: list[int], batch: int, deadline: float | None = None) -> LoopResult:
+        """`indices` in batches of `batch`, one after another; stops at the first failing batch or at `deadline`."""
+        records: list[RequestRecord] = []
+        duration, out_of_time = 0.0, False
+        for at in range(0, len(indices), batch):
+            if deadline is not None and time.perf_counter() > deadline:
+                out_of_time = True
+                break
+            chunk = indices[at:at + batch]
+            t0 = time.perf_counter()
+            try:
+                records += self.batch(w, chunk)
+            except Exception as exc:  # noqa: BLE001 - out of memory or unsupported: recorded, the sweep goes on
+                now = time.perf_counter()
+                code = "RESOURCE_EXHAUSTED" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
+                records += [RequestRecord(index=i, start=t0, end=now, error=code, detail=str(exc)[:500]) for i in indices[at:]]
+                release_memory()
+                break
+            duration += time.perf_counter() - t0
+        return LoopResult(records, duration, client_cpu_s=0.0, messages=0, out_of_time=out_of_time)
+
+
+def release_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

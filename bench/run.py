@@ -1,0 +1,269 @@
+"""The sweep: every workload at every concurrency, through the mesh's public API or transformers' generate().
+
+    python -m bench.run --config configs/bench-2xh200.yaml --launch --out bench/results/NAME.json
+    python -m bench.run --config configs/bench-2xh200.yaml --engine hf --device cuda:0 --out bench/results/NAME-hf.json
+
+The result file is rewritten after every cell, so a run cut short keeps what it finished.
+"""
+
+import argparse
+import asyncio
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+from bench import results
+from bench.loadgen import LoopResult, MeshClient
+from bench.records import summarize
+from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select
+from services.runtime.config import load_config
+
+# Request indices of a cell depend only on its concurrency, so both engines get the same inputs and seeds,
+# and no two cells repeat a prompt (a prefix cache must not turn a later cell into cache hits).
+CELL_STRIDE, WARMUP_OFFSET = 100_000, 50_000
+HF_NOTE = "batches of B, one after another; TTFT/ITL from a streamer on the thinker; TTFA = the batch's latency (speech comes out whole)"
+
+
+def cell_indices(concurrency: int, n: int, warmup: bool = False) -> list[int]:
+    base = concurrency * CELL_STRIDE + (WARMUP_OFFSET if warmup else 0)
+    return list(range(base, base + n))
+
+
+class Budget:
+    """The run's time limit: a cell is skipped when even an optimistic estimate of it does not fit."""
+
+    def __init__(self, minutes: float | None):
+        self.deadline = time.perf_counter() + minutes * 60 if minutes else None
+        self.seen: dict[str, tuple[int, int, float]] = {}  # workload -> (concurrency, requests, seconds) of its last cell
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
+
+    def why_not(self, w: Workload, concurrency: int, requests: int) -> str:
+        if self.left() <= 0:
+            return "the run's time limit was reached"
+        if w.name not in self.seen:
+            return ""
+        b, n, seconds = self.seen[w.name]
+        estimate = seconds * (requests / n) * (b / concurrency)  # as if throughput grew with concurrency
+        if estimate > self.left():
+            return f"not enough time left: needs at least ~{estimate:.0f} s, {self.left():.0f} s left"
+        return ""
+
+    def record(self, w: Workload, concurrency: int, requests: int, seconds: float) -> None:
+        self.seen[w.name] = (concurrency, requests, seconds)
+
+
+def base_cell(w: Workload, concurrency: int) -> dict:
+    return {"workload": w.name, "concurrency": concurrency, "input": w.media, "speech": w.speech,
+            "max_tokens": w.max_tokens, "frames": w.frames, "prompt_bytes": w.prompt_bytes}
+
+
+def finish_cell(w: Workload, concurrency: int, loop: LoopResult, warmup: int, keep_records: bool) -> dict:
+    cell = base_cell(w, concurrency)
+    if loop.out_of_time:
+        cell.update(status="skipped", reason=f"the run's time limit was reached after {len(loop.records)} requests")
+    else:
+        cell.update(status="ok", reason="")
+    cell.update(warmup_requests=warmup, **summarize(loop.records, loop.duration))
+    ok = [r for r in loop.records if r.ok]
+    # Fixed lengths: any request that did not produce exactly what it asked for is counted here.
+    cell["length_mismatches"] = sum(r.text_tokens != w.max_tokens or (w.speech and r.audio_frames != w.frames) for r in ok)
+    if loop.messages:
+        cell.update(client_cpu_s=loop.client_cpu_s, client_cpu_frac=loop.client_cpu_s / max(loop.duration, 1e-9),
+                    client_us_per_msg=1e6 * loop.client_cpu_s / loop.messages, messages=loop.messages)
+    if keep_records:
+        cell["records"] = [r.as_dict() for r in loop.records]
+    return cell
+
+
+def print_cell(cell: dict) -> None:
+    def ms(key):
+        return f"{cell[key] * 1000:.0f}ms" if cell.get(key) is not None else "-"
+
+    def num(key, fmt):
+        return format(cell[key], fmt) if cell.get(key) is not None else "-"
+
+    head = f"{cell['workload']:>4} B={cell['concurrency']:<3}"
+    if cell["status"] == "skipped" and not cell.get("requests"):
+        print(f"{head} skipped: {cell['reason']}", flush=True)
+        return
+    print(f"{head} {cell['requests']} req {cell['failures']} failed  {num('output_tok_per_s', '.1f')} tok/s  "
+          f"{num('req_per_s', '.3f')} req/s  {num('audio_s_per_s', '.2f')} audio-s/s  TTFT p50 {ms('ttft_p50')} "
+          f"TTFA p50 {ms('ttfa_p50')}  ITL p50 {ms('itl_p50')}  e2e p50 {ms('e2e_p50')}  RTF p50 {num('rtf_p50', '.3f')}  "
+          f"{cell['duration_s']:.1f}s" + (f"  client CPU {cell['client_cpu_frac']:.0%}" if "client_cpu_frac" in cell else "")
+          + (f"  [{cell['status']}: {cell['reason']}]" if cell["status"] != "ok" else "")
+          + (f"  first error: {cell['first_error'][:160]}" if cell["failures"] else ""), flush=True)
+
+
+class MeshRunner:
+    """Runs request indices of a workload through the gateway, `concurrency` in flight."""
+    note = ""
+    failure_blocks_larger = False  # a failure at one concurrency says nothing about the next
+
+    def __init__(self, client: MeshClient, media: MediaSpec, seed: int):
+        self.client, self.media, self.seed = client, media, seed
+
+    async def __call__(self, w: Workload, indices: list[int], concurrency: int, deadline: float | None) -> LoopResult:
+        requests = [(i, grpc_request(w, i, self.media, self.seed)) for i in indices]  # built before the clock starts
+        return await self.client.closed_loop(requests, concurrency, deadline)
+
+
+class HfRunner:
+    """Runs request indices of a workload through transformers' generate(), in batches of `concurrency`."""
+    note = HF_NOTE
+    failure_blocks_larger = True  # out of memory at batch B: larger batches are not tried
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def __call__(self, w: Workload, indices: list[int], concurrency: int, deadline: float | None) -> LoopResult:
+        return self.engine.closed_batches(w, indices, concurrency, deadline)
+
+
+class Sweep:
+    def __init__(self, args, result: dict):
+        self.args, self.result, self.budget = args, result, Budget(args.max_minutes)
+        self.media = MediaSpec(args.image_size, args.clip_seconds, args.distinct_inputs, args.seed)
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.args.requests_per_slot * concurrency, self.args.min_requests)
+
+    def plan(self) -> list[tuple[Workload, int]]:
+        ws = select(self.args.workloads, self.args.max_tokens, self.args.frames, self.args.prompt_bytes)
+        bs = [int(b) for b in self.args.concurrency.split(",")]
+        if self.args.order == "concurrency":
+            return [(w, b) for b in bs for w in ws]
+        return [(w, b) for w in ws for b in bs]
+
+    def add(self, cell: dict) -> None:
+        self.result["cells"].append(cell)
+        results.write(self.result, self.args.out)
+        print_cell(cell)
+
+    def skip(self, w: Workload, concurrency: int, reason: str) -> None:
+        self.add({**base_cell(w, concurrency), "status": "skipped", "reason": reason, "requests": 0, "failures": 0})
+
+    async def run(self, runner, stage_died=lambda: "") -> None:
+        plan = self.plan()
+        t0 = time.perf_counter()
+        for w in dict.fromkeys(w for w, _ in plan):  # one request of each workload first: lazy initialisation, not measured
+            await runner(w, cell_indices(0, 1, warmup=True), 1, self.budget.deadline)
+        self.result["run"]["initial_warmup_s"] = time.perf_counter() - t0
+        failed_at: dict[str, int] = {}  # workload -> smallest concurrency that failed
+        for w, b in plan:
+            n = self.requests(b)
+            if runner.failure_blocks_larger and b > failed_at.get(w.name, b):
+                self.skip(w, b, f"concurrency {failed_at[w.name]} already failed")
+                continue
+            if reason := self.budget.why_not(w, b, n + b) or stage_died():
+                self.skip(w, b, reason)
+                continue
+            t0 = time.perf_counter()
+            warm = await runner(w, cell_indices(b, b * self.args.warmup_rounds, warmup=True), b, self.budget.deadline)
+            if warm.out_of_time:
+                self.skip(w, b, "the run's time limit was reached during warm-up")
+                continue
+            failed_warmup = runner.failure_blocks_larger and any(r.error for r in warm.records)
+            loop = warm if failed_warmup else await runner(w, cell_indices(b, n), b, self.budget.deadline)
+            self.budget.record(w, b, n + len(warm.records), time.perf_counter() - t0)
+            cell = finish_cell(w, b, loop, len(warm.records), self.args.records)
+            if note := ("failed in warm-up; " if failed_warmup else "") + runner.note:
+                cell["note"] = note
+            if cell["failures"]:
+                failed_at[w.name] = min(b, failed_at.get(w.name, b))
+            self.add(cell)
+
+    async def mesh(self, address: str, stage_died) -> None:
+        client = MeshClient(address, self.args.channels, self.args.request_timeout)
+        try:
+            info = await client.model_info()
+            self.result["model"]["served"] = {"model": info.model, "voices": list(info.voices), "max_new_tokens": info.limits.max_new_tokens}
+            await self.run(MeshRunner(client, self.media, self.args.seed), stage_died)
+        finally:
+            await client.close()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="mesh config: the deployment, its model and sampling defaults")
+    p.add_argument("--out", required=True, help="result JSON (rewritten after every cell)")
+    p.add_argument("--engine", choices=["mesh", "hf"], default="mesh")
+    p.add_argument("--launch", action="store_true", help="start the mesh of --config (and stop it at the end)")
+    p.add_argument("--address", default="", help="gateway to drive without --launch; default: the config's gateway")
+    p.add_argument("--device", default="", help="hf engine: device; default cuda:0 when there is a GPU, else cpu")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    p.add_argument("--order", choices=["workload", "concurrency"], default="workload", help="which loop is outermost")
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--requests-per-slot", type=int, default=4, help="a cell runs max(this x B, --min-requests) requests")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="warm-up requests per cell = this x B, not counted")
+    p.add_argument("--max-tokens", type=int, default=None, help="override every workload's thinker tokens")
+    p.add_argument("--frames", type=int, default=None, help="override every speech workload's codec frames")
+    p.add_argument("--prompt-bytes", type=int, default=None, help="override the generated text prompts' length")
+    p.add_argument("--image-size", type=int, default=512)
+    p.add_argument("--clip-seconds", type=float, default=7.0)
+    p.add_argument("--distinct-inputs", type=int, default=0, help="0: every request its own image/clip/prompt")
+    p.add_argument("--seed", type=int, default=0, help="inputs and sampling seeds")
+    p.add_argument("--max-minutes", type=float, default=None, help="bound on the whole run; cells that do not fit are skipped")
+    p.add_argument("--channels", type=int, default=4, help="gRPC channels (connections) of the load generator")
+    p.add_argument("--request-timeout", type=float, default=1800.0)
+    p.add_argument("--launch-timeout", type=float, default=1800.0)
+    p.add_argument("--log-dir", default=None, help="stage logs with --launch (default .cache/logs)")
+    p.add_argument("--records", action="store_true", help="keep every request's raw record in the result")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    cfg = load_config(args.config)
+    config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text())}
+    run = {"command": "python -m bench.run " + shlex.join(sys.argv[1:] if argv is None else argv), "args": vars(args),
+           "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    result = results.new_result(args.engine, config, results.model_info(cfg.model.dir, cfg.model), run)
+    sweep = Sweep(args, result)
+    results.write(result, args.out)
+    if args.engine == "hf":
+        import torch
+
+        from bench.hf_engine import HfEngine
+
+        device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+        t0 = time.perf_counter()
+        engine = HfEngine(cfg, device, sweep.media, args.seed)
+        run["load_s"] = time.perf_counter() - t0
+        config["hf"] = engine.settings()
+        asyncio.run(sweep.run(HfRunner(engine)))
+    elif args.launch:
+        from services.launch import Mesh
+
+        mesh = Mesh(args.config, args.log_dir)
+        t0 = time.perf_counter()
+        mesh.start(timeout=args.launch_timeout)
+        run["launch_s"] = time.perf_counter() - t0
+        print(f"mesh of {args.config} healthy after {run['launch_s']:.0f}s", flush=True)
+
+        def stage_died() -> str:
+            dead = [f"{name} exited with code {p.returncode}" for name, p in mesh.procs.items() if p.poll() is not None]
+            return "; ".join(dead)
+
+        try:
+            asyncio.run(sweep.mesh(mesh.gateway_address, stage_died))
+        finally:
+            run["stage_exit_codes"] = mesh.stop()
+    else:
+        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda: ""))
+    result["machine"] = results.machine()
+    run.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=time.perf_counter() - started)
+    results.write(result, args.out)
+    print(f"wrote {args.out} ({len(result['cells'])} cells, {run['wall_s']:.0f}s)", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
