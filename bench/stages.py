@@ -1,0 +1,242 @@
+"""Stage micro-benchmarks: the engines in this process, without gRPC, so engine work can be measured alone.
+
+    python -m bench.stages --config configs/bench-1xh200.yaml --out bench/results/NAME-stages.json
+
+thinker: prefill and decode tok/s by batch (sequences per `step()` call) and prompt length, step time and
+  host time per step (the part of a step not covered by device kernels; all of it on the CPU);
+talker: frames/s by batch, fed synthetic thinker states, and its split into talker / code predictor / code2wav;
+encoder: items/s for an image and a clip; preprocess: the same items decoded on the CPU.
+Each stage runs on its config replica's device unless --device says otherwise.
+"""
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import yaml
+
+from bench import results
+from bench.workloads import FRAMES_PER_SECOND, ascii_prompt, clip_wav, image_png
+from services.llm.mrope import Layout
+from services.llm.sampling import SamplingParams
+from services.runtime.config import Limits, MeshConfig, load_config
+from services.runtime.protoconv import DTYPES
+
+THINKER_SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=20, ignore_eos=True)
+TALKER_SAMPLING = dict(temperature=0.9, top_p=1.0, top_k=50, repetition_penalty=1.05, ignore_eos=True)
+
+
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    """Wall seconds of fn(), with the device drained before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def device_ms(fn, device: torch.device) -> float | None:
+    """Milliseconds of device kernels in one fn() (torch.profiler); None off CUDA or when profiling fails."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        return sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 1000
+    except Exception:  # noqa: BLE001 - no CUPTI here: host time is then unknown
+        return None
+
+
+def thinker_cells(cfg: MeshConfig, device: str, args):
+    from services.thinker.reference import ReferenceThinker, ThinkerSeq
+
+    engine = ReferenceThinker(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+    dev, gen = engine.device, torch.Generator().manual_seed(args.seed)
+    steps = args.decode_steps
+
+    def batch(b: int, length: int, max_tokens: int) -> list:
+        seqs = [ThinkerSeq(f"bench-{i}", torch.randint(0, engine.vocab, (length,), generator=gen),
+                           SamplingParams(max_tokens=max_tokens, seed=i + 1, **THINKER_SAMPLING)) for i in range(b)]
+        for s in seqs:
+            engine.add(s)
+        return seqs
+
+    warm = batch(1, 16, 3)
+    for _ in range(3):
+        engine.step(warm)
+    for length in args.prompt_lens:
+        for b in args.batches:
+            seqs = batch(b, length, steps + 2)
+            prefill_s, _ = timed(lambda: engine.step(seqs), dev)
+            walls = [timed(lambda: engine.step(seqs), dev)[0] for _ in range(steps)]
+            dev_ms = device_ms(lambda: engine.step(seqs), dev)
+            step_ms = 1000 * statistics.median(walls)
+            for s in seqs:
+                engine.free(s)
+            yield {"stage": "thinker", "mode": "prefill", "batch": b, "prompt_len": length, "seconds": prefill_s,
+                   "tok_per_s": b * length / prefill_s, "step_ms": 1000 * prefill_s}
+            yield {"stage": "thinker", "mode": "decode", "batch": b, "prompt_len": length, "steps": steps,
+                   "seconds": sum(walls), "tok_per_s": b * steps / sum(walls), "step_ms": step_ms,
+                   "device_ms_per_step": dev_ms, "host_ms_per_step": step_ms - dev_ms if dev_ms is not None else step_ms}
+
+
+def talker_cells(cfg: MeshConfig, device: str, args):
+    from transformers import AutoTokenizer
+
+    from services.talker.reference import ReferenceTalker, TalkerSeq
+
+    tc = cfg.talker
+    engine = ReferenceTalker(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
+                             tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
+    spec, dev = engine.spec, engine.device
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": ascii_prompt(args.seed, args.talker_prompt_bytes)}],
+                                        add_generation_prompt=True, tokenize=True)
+    ids = torch.tensor(ids if isinstance(ids, list) else ids["input_ids"], dtype=torch.long)
+    hidden = spec.thinker_hidden
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def batch(b: int, frames: int) -> list:
+        seqs = []
+        for i in range(b):
+            # Thinker states for the prompt and one text token per frame: the text stays ahead of the speech.
+            n = len(ids) + 1 + frames
+            states = (torch.randn(n, hidden, generator=gen) / hidden**0.5, torch.randn(n, hidden, generator=gen))
+            seq = TalkerSeq(f"bench-{i}", ids, Layout(), spec.voices[spec.default_voice],
+                            SamplingParams(max_tokens=frames, seed=i + 1, **TALKER_SAMPLING),
+                            tts_embeds=torch.randn(3, hidden, generator=gen) / hidden**0.5)
+            seq.inbox.append(states)
+            seq.text_ended = True
+            engine.add(seq)
+            seqs.append(seq)
+        return seqs
+
+    def run(seqs) -> list[float]:
+        walls = []
+        while ready := [s for s in seqs if engine.ready(s)]:
+            walls.append(timed(lambda: engine.step(ready), dev)[0])
+        return walls
+
+    run(batch(1, 3))
+    for b in args.batches:
+        seqs = batch(b, args.frames)
+        walls = run(seqs)
+        decode_s = sum(walls[1:])  # the first step is every sequence's prefill
+        frames = sum(len(s.frames) for s in seqs)
+        split = {part: sum(s.seconds[part] for s in seqs) for part in ("talker", "code_predictor", "code2wav")}
+        for s in seqs:
+            engine.free(s)
+        yield {"stage": "talker", "mode": "decode", "batch": b, "frames": frames, "seconds": decode_s,
+               "frames_per_s": frames / decode_s, "audio_s_per_s": frames / FRAMES_PER_SECOND / decode_s, "prefill_ms": 1000 * walls[0],
+               "step_ms": 1000 * statistics.median(walls[1:]), **{f"{k}_s": v for k, v in split.items()},
+               **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}
+
+
+def media_items(cfg: MeshConfig, args) -> dict:
+    from services.preprocess.media import Preprocessor
+
+    pre = Preprocessor(cfg.model.dir, Limits())
+    data = {"image": image_png(args.seed, args.image_size), "audio": clip_wav(args.seed, args.clip_seconds)}
+    decode = {"image": pre.image, "audio": pre.audio_file}
+    return {kind: (decode[kind], data[kind]) for kind in data}
+
+
+def preprocess_cells(cfg: MeshConfig, device: str, args):
+    for kind, (decode, data) in media_items(cfg, args).items():
+        decode(data)
+        seconds, _ = timed(lambda: [decode(data) for _ in range(args.preprocess_items)], torch.device("cpu"))
+        yield {"stage": "preprocess", "item": kind, "batch": 1, "items": args.preprocess_items,
+               "items_per_s": args.preprocess_items / seconds, "step_ms": 1000 * seconds / args.preprocess_items}
+
+
+def encoder_cells(cfg: MeshConfig, device: str, args):
+    from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
+
+    engine = ReferenceEncoder(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+    for kind, (decode, data) in media_items(cfg, args).items():
+        f = decode(data)
+        item = Item(kind, torch.from_numpy(f.values), f.grid_thw)
+        engine.step([EncodeJob([item])])  # warm-up
+        for b in args.encoder_batches:
+            jobs = [EncodeJob([item]) for _ in range(b)]
+            for j in jobs:
+                engine.add(j)
+            seconds, _ = timed(lambda: engine.step(jobs), engine.device)
+            yield {"stage": "encoder", "item": kind, "batch": b, "tokens_per_item": f.num_tokens, "seconds": seconds,
+                   "items_per_s": b / seconds, "step_ms": 1000 * seconds}
+
+
+STAGES = {"thinker": (thinker_cells, "thinker"), "talker": (talker_cells, "talker"),
+          "encoder": (encoder_cells, "encoder"), "preprocess": (preprocess_cells, None)}
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="mesh config: model, dtype, load format, seed, devices, talker chunking")
+    p.add_argument("--out", required=True)
+    p.add_argument("--stages", default="thinker,talker,encoder,preprocess")
+    p.add_argument("--device", default="", help="run every stage here; default: each stage's first replica's device")
+    p.add_argument("--batches", type=ints, default=[1, 8, 32, 64], help="thinker and talker sequences per step")
+    p.add_argument("--prompt-lens", type=ints, default=[512, 4096])
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--frames", type=int, default=16, help="talker frames per sequence")
+    p.add_argument("--talker-prompt-bytes", type=int, default=32)
+    p.add_argument("--encoder-batches", type=ints, default=[1, 8, 32])
+    p.add_argument("--preprocess-items", type=int, default=8)
+    p.add_argument("--image-size", type=int, default=512)
+    p.add_argument("--clip-seconds", type=float, default=7.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None, help="cells started after this are skipped")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = load_config(args.config)
+    deadline = time.perf_counter() + args.max_minutes * 60 if args.max_minutes else None
+    config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text())}
+    result = results.new_result("stages", config, results.model_info(cfg.model.dir, cfg.model),
+                                {"command": "python -m bench.stages " + shlex.join(sys.argv[1:] if argv is None else argv), "args": vars(args)})
+    for name in args.stages.split(","):
+        cells, replica_stage = STAGES[name]
+        device = args.device or (cfg.replicas(replica_stage)[0].device if replica_stage and cfg.replicas(replica_stage) else "cpu")
+        if deadline is not None and time.perf_counter() > deadline:
+            result["cells"].append({"stage": name, "status": "skipped", "reason": "the run's time limit was reached"})
+            continue
+        stage_cells = cells(cfg, device, args)
+        try:
+            for cell in stage_cells:
+                cell.update(device=device, status="ok")
+                result["cells"].append(cell)
+                results.write(result, args.out)
+                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in cell.items()), flush=True)
+                if deadline is not None and time.perf_counter() > deadline:
+                    result["cells"].append({"stage": name, "status": "skipped", "reason": "the run's time limit was reached"})
+                    break
+        finally:
+            stage_cells.close()  # drops the stage's engine before the next one loads
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    result["machine"] = results.machine()
+    result["run"]["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results.write(result, args.out)
+    print(f"wrote {args.out} ({len(result['cells'])} cells)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
