@@ -1,0 +1,176 @@
+"""The benchmark harness on the tiny model: a smoke sweep through the launched mesh and through transformers'
+generate(), the figures checked against the requests' own counts, the result files read back and reported."""
+
+import json
+import statistics
+
+import pytest
+
+from bench import ceiling, compare, report, results, stages
+from bench import run as bench_run
+from bench.workloads import WORKLOADS, MediaSpec, ascii_prompt, grpc_request, select
+from conftest import write_config
+
+TOKENS, FRAMES, SAMPLES_PER_FRAME = 6, 5, 1920
+SMOKE = ["--workloads", "t2t,i2s,s2s", "--concurrency", "1,2", "--min-requests", "2", "--requests-per-slot", "2",
+         "--max-tokens", str(TOKENS), "--frames", str(FRAMES), "--prompt-bytes", "16", "--image-size", "64",
+         "--clip-seconds", "1", "--records"]
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    write_config(tmp / "mesh.yaml", tiny_model)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def samples_lost_per_chunk(tiny_model) -> int:
+    """code2wav's causal convolutions drop a fixed tail per decode: measured here, on the tiny model."""
+    import torch
+
+    from services.model.load import load_component
+
+    code2wav = load_component("code2wav", tiny_model)
+    with torch.no_grad():
+        wav = code2wav(torch.zeros(1, code2wav.config.num_quantizers, FRAMES, dtype=torch.long))
+    return FRAMES * SAMPLES_PER_FRAME - wav.shape[-1]
+
+
+@pytest.fixture(scope="module")
+def mesh_result(bench_dir):
+    out = bench_dir / "mesh.json"
+    bench_run.main(["--config", str(bench_dir / "mesh.yaml"), "--launch", "--log-dir", str(bench_dir / "logs"), "--out", str(out), *SMOKE])
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_result(bench_dir):
+    out = bench_dir / "hf.json"
+    bench_run.main(["--config", str(bench_dir / "mesh.yaml"), "--engine", "hf", "--device", "cpu", "--out", str(out), *SMOKE])
+    return out
+
+
+def check_sweep(path, engine: str, lost_per_chunk: int) -> dict:
+    result = results.read(path)
+    assert result == json.loads(path.read_text()) and result["engine"] == engine
+    assert result["git_commit"] and result["machine"]["hostname"] and result["machine"]["cpu_count"] > 0
+    assert result["config"]["content"]["model"]["path"] and result["model"]["thinker"]["hidden_size"] == 32
+    assert "python -m bench.run" in result["run"]["command"]
+    cells = {(c["workload"], c["concurrency"]): c for c in result["cells"]}
+    assert set(cells) == {(w, b) for w in ("t2t", "i2s", "s2s") for b in (1, 2)}
+    for (workload, b), cell in cells.items():
+        where = f"{engine} {workload} B={b}"
+        speech = WORKLOADS[workload].speech
+        recs = cell["records"]
+        assert cell["status"] == "ok" and cell["failures"] == 0 and cell["failure_codes"] == {}, (where, cell["first_error"])
+        assert cell["requests"] == len(recs) == max(2 * b, 2) and cell["warmup_requests"] == b, where
+        assert len({r["index"] for r in recs}) == len(recs), where
+        for r in recs:
+            latency = r["end"] - r["start"]
+            assert r["text_tokens"] == r["usage_tokens"] == TOKENS, where
+            assert len(r["itl"]) == r["text_deltas"] - 1 and all(x >= 0 for x in r["itl"]), where
+            assert 0 < r["ttft"] <= latency, where
+            if speech:
+                assert r["audio_frames"] == FRAMES and r["audio_chunks"] >= 1, where
+                # Exactly FRAMES frames of 1920 samples, less code2wav's fixed tail per decoded chunk.
+                assert r["audio_samples"] == FRAMES * SAMPLES_PER_FRAME - lost_per_chunk * r["audio_chunks"], where
+                assert 0 < r["ttfa"] <= latency, where
+            else:
+                assert r["audio_samples"] == 0 and r["ttfa"] is None, where
+        latencies = [r["end"] - r["start"] for r in recs]
+        audio_s = sum(r["audio_samples"] for r in recs) / 24000
+        duration = cell["duration_s"]
+        assert cell["text_tokens"] == TOKENS * len(recs) and cell["length_mismatches"] == 0, where
+        assert cell["output_tok_per_s"] == pytest.approx(cell["text_tokens"] / duration), where
+        assert cell["req_per_s"] == pytest.approx(len(recs) / duration), where
+        assert cell["audio_s"] == pytest.approx(audio_s) and cell["audio_s_per_s"] == pytest.approx(audio_s / duration), where
+        assert cell["e2e_p50"] == pytest.approx(statistics.median(latencies)) and cell["e2e_p50"] <= cell["e2e_p99"], where
+        # Closed loop: never more than B in flight, so the cell lasts at least the sum of latencies / B.
+        assert sum(latencies) / b <= duration * 1.001 and max(latencies) <= duration * 1.001, where
+        assert cell["ttft_p50"] <= cell["ttft_p99"] and cell["itl_p50"] > 0, where
+        if speech:
+            rtf = statistics.median(lat / (r["audio_samples"] / 24000) for lat, r in zip(latencies, recs))
+            assert cell["rtf_p50"] == pytest.approx(rtf) and cell["ttfa_p50"] <= cell["ttfa_p99"], where
+            assert audio_s == pytest.approx(len(recs) * FRAMES / 12.5, abs=len(recs) * 4 * lost_per_chunk / 24000), where
+        else:
+            assert cell["rtf_p50"] is None and cell["audio_s"] == 0, where
+        if engine == "mesh":
+            assert 0 < cell["client_cpu_frac"] < 1 and cell["messages"] > 0, where
+    return result
+
+
+def test_mesh_sweep(mesh_result, samples_lost_per_chunk):
+    result = check_sweep(mesh_result, "mesh", samples_lost_per_chunk)
+    assert result["run"]["stage_exit_codes"] and all(c == 0 for c in result["run"]["stage_exit_codes"].values())
+    assert result["model"]["served"]["model"] == "tiny"
+
+
+def test_hf_sweep(hf_result, samples_lost_per_chunk):
+    result = check_sweep(hf_result, "hf", samples_lost_per_chunk)
+    assert result["config"]["hf"]["device"] == "cpu"
+    assert all("streamer" in c["note"] for c in result["cells"])
+
+
+def test_report_and_compare(mesh_result, hf_result, capsys):
+    written = report.main([str(mesh_result), str(hf_result), "--no-plots"])
+    md = written[0].read_text()
+    assert written[0] == mesh_result.with_suffix(".md")
+    assert "## t2t" in md and "## s2s" in md and "| B=2 |" in md and "x) |" in md and "hf.json" in md
+    rows = compare.main([str(hf_result), str(mesh_result), "--metrics", "output_tok_per_s,ttfa_p50"])
+    assert len(rows) == 6 + 4  # tok/s for every cell, TTFA for the speech ones
+    out = capsys.readouterr().out
+    assert "s2s B=2" in out and "ttfa_p50" in out and out.count("x\n") >= len(rows)
+
+
+def test_report_plots(mesh_result, hf_result):
+    pytest.importorskip("matplotlib")
+    written = report.main([str(mesh_result), str(hf_result)])
+    assert [p.name for p in written[1:]] == ["mesh-throughput.png", "mesh-latency.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_time_limit_skips_cells(bench_dir):
+    out = bench_dir / "hf-skipped.json"
+    bench_run.main(["--config", str(bench_dir / "mesh.yaml"), "--engine", "hf", "--device", "cpu", "--out", str(out),
+                    "--max-minutes", "0.00001", *SMOKE])
+    cells = results.read(out)["cells"]
+    assert len(cells) == 6 and all(c["status"] == "skipped" and "time limit" in c["reason"] for c in cells)
+
+
+def test_workload_inputs_are_deterministic(tiny_model):
+    from transformers import AutoTokenizer
+
+    media = MediaSpec(image_size=64, clip_seconds=1.0)
+    for w in select("t2t,i2t,s2t,t2s,i2s,s2s", max_tokens=7, frames=3):
+        a, b, c = (grpc_request(w, i, media) for i in (5, 5, 6))
+        assert a.SerializeToString() == b.SerializeToString() != c.SerializeToString(), w.name
+        assert a.sampling.max_tokens == 7 and a.sampling.ignore_eos and a.sampling.seed > 0, w.name
+        assert not a.sampling.HasField("temperature"), w.name  # the deployment's default, non-greedy sampling
+        assert (a.talker_sampling.max_tokens, a.talker_sampling.ignore_eos) == ((3, True) if w.speech else (0, False)), w.name
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert all(len(tokenizer(ascii_prompt(seed, 128))["input_ids"]) == 128 for seed in range(20))
+
+
+def test_stage_benchmarks(bench_dir):
+    out = bench_dir / "stages.json"
+    stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--batches", "1,2", "--prompt-lens", "16",
+                 "--decode-steps", "3", "--frames", "4", "--encoder-batches", "1,2", "--image-size", "64",
+                 "--clip-seconds", "1", "--preprocess-items", "2"])
+    cells = results.read(out)["cells"]
+    by = {results.cell_key(c): c for c in cells}
+    for b in (1, 2):
+        decode = by[(("stage", "thinker"), ("mode", "decode"), ("batch", b), ("prompt_len", 16))]
+        assert decode["tok_per_s"] == pytest.approx(b * 3 / decode["seconds"]) and decode["host_ms_per_step"] > 0
+        talker = by[(("stage", "talker"), ("mode", "decode"), ("batch", b))]
+        assert talker["frames"] == 4 * b and sum(talker[f"{k}_share"] for k in ("talker", "code_predictor", "code2wav")) == pytest.approx(1)
+        for item in ("image", "audio"):
+            assert by[(("stage", "encoder"), ("item", item), ("batch", b))]["items_per_s"] > 0
+    assert report.main([str(out)])[0].read_text().count("## ") == 5
+
+
+def test_client_ceiling():
+    cells = ceiling.main(["--concurrency", "1,4", "--tokens", "16", "--chunks", "2", "--server-procs", "1"])
+    assert [c["concurrency"] for c in cells] == [1, 4]
+    assert all(c["failures"] == 0 and c["msgs_per_s"] > 0 and c["client_us_per_msg"] > 0 for c in cells)
+    assert cells[1]["output_tok_per_s"] == pytest.approx(cells[1]["msgs_per_s"] * 16 / 19, rel=0.05)
