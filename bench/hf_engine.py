@@ -50,14 +50,19 @@ def build_model(cfg: MeshConfig, device: str):
     from transformers import logging
     from transformers.models.qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
 
-    from services.model.load import _default_dtype, init_full_model_, load_config
+    from services.model.load import init_full_model_, load_config
 
     logging.set_verbosity_error()
     dtype = DTYPES[cfg.model.dtype]
     if cfg.model.load_format == "random":
         # Built on the device itself (not meta: that would leave buffers uninitialised), then the mesh's weights drawn.
-        with torch.device(device), _default_dtype(dtype):
-            model = Qwen3OmniMoeForConditionalGeneration(load_config(cfg.model.dir))
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = Qwen3OmniMoeForConditionalGeneration(load_config(cfg.model.dir))
+        finally:
+            torch.set_default_dtype(default)
         init_full_model_(model, cfg.model.seed)
     else:
         model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(cfg.model.dir, dtype=dtype).to(device)

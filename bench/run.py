@@ -11,9 +11,11 @@ import asyncio
 import shlex
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+import grpc
 import yaml
 
 from bench import results
@@ -25,7 +27,9 @@ from services.runtime.config import load_config
 # Request indices of a cell depend only on its concurrency, so both engines get the same inputs and seeds,
 # and no two cells repeat a prompt (a prefix cache must not turn a later cell into cache hits).
 CELL_STRIDE, WARMUP_OFFSET = 100_000, 50_000
-HF_NOTE = "batches of B, one after another; TTFT/ITL from a streamer on the thinker; TTFA = the batch's latency (speech comes out whole)"
+INITIAL_WARMUP_LENGTH = 8  # tokens and frames of the run's first request per workload
+HF_NOTE = ("batches of B, one after another; latency includes input preparation; TTFT/ITL from a streamer on the thinker; "
+           "TTFA = the batch's latency (speech comes out whole)")
 
 
 def cell_indices(concurrency: int, n: int, warmup: bool = False) -> list[int]:
@@ -151,8 +155,9 @@ class Sweep:
     async def run(self, runner, stage_died=lambda: "") -> None:
         plan = self.plan()
         t0 = time.perf_counter()
-        for w in dict.fromkeys(w for w, _ in plan):  # one request of each workload first: lazy initialisation, not measured
-            await runner(w, cell_indices(0, 1, warmup=True), 1, self.budget.deadline)
+        for w in dict.fromkeys(w for w, _ in plan):  # one short request of each workload first: lazy initialisation, not measured
+            short = replace(w, max_tokens=min(w.max_tokens, INITIAL_WARMUP_LENGTH), frames=min(w.frames, INITIAL_WARMUP_LENGTH))
+            await runner(short, cell_indices(0, 1, warmup=True), 1, self.budget.deadline)
         self.result["run"]["initial_warmup_s"] = time.perf_counter() - t0
         failed_at: dict[str, int] = {}  # workload -> smallest concurrency that failed
         for w, b in plan:
@@ -181,7 +186,10 @@ class Sweep:
     async def mesh(self, address: str, stage_died) -> None:
         client = MeshClient(address, self.args.channels, self.args.request_timeout)
         try:
-            info = await client.model_info()
+            try:
+                info = await client.model_info()
+            except grpc.aio.AioRpcError as e:
+                raise SystemExit(f"cannot reach the gateway at {address}: {e.code().name}: {e.details()}") from None
             self.result["model"]["served"] = {"model": info.model, "voices": list(info.voices), "max_new_tokens": info.limits.max_new_tokens}
             await self.run(MeshRunner(client, self.media, self.args.seed), stage_died)
         finally:

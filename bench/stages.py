@@ -57,6 +57,13 @@ def device_ms(fn, device: torch.device) -> float | None:
         return None
 
 
+def host_ms(step_ms: float, dev_ms: float | None, device: torch.device) -> float | None:
+    """The part of a step the device spent waiting on the host: all of it on the CPU, unknown without a profile."""
+    if device.type != "cuda":
+        return step_ms
+    return None if dev_ms is None else max(step_ms - dev_ms, 0.0)
+
+
 def thinker_cells(cfg: MeshConfig, device: str, args):
     from services.thinker.reference import ReferenceThinker, ThinkerSeq
 
@@ -87,7 +94,7 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                    "tok_per_s": b * length / prefill_s, "step_ms": 1000 * prefill_s}
             yield {"stage": "thinker", "mode": "decode", "batch": b, "prompt_len": length, "steps": steps,
                    "seconds": sum(walls), "tok_per_s": b * steps / sum(walls), "step_ms": step_ms,
-                   "device_ms_per_step": dev_ms, "host_ms_per_step": step_ms - dev_ms if dev_ms is not None else step_ms}
+                   "device_ms_per_step": dev_ms, "host_ms_per_step": host_ms(step_ms, dev_ms, dev)}
 
 
 def talker_cells(cfg: MeshConfig, device: str, args):

@@ -112,6 +112,14 @@ def test_hf_sweep(hf_result, samples_lost_per_chunk):
     assert all("streamer" in c["note"] for c in result["cells"])
 
 
+def test_engines_get_the_same_requests(mesh_result, hf_result):
+    mesh, hf = (results.read(p)["cells"] for p in (mesh_result, hf_result))
+    for a, b in zip(mesh, hf):
+        assert results.cell_key(a) == results.cell_key(b)
+        prompts = [{r["index"]: r["prompt_tokens"] for r in cell["records"]} for cell in (a, b)]
+        assert prompts[0] == prompts[1] and all(prompts[0].values()), a["workload"]
+
+
 def test_report_and_compare(mesh_result, hf_result, capsys):
     written = report.main([str(mesh_result), str(hf_result), "--no-plots"])
     md = written[0].read_text()
