@@ -95,7 +95,8 @@ def main(argv=None) -> list[dict]:
         if not ready.wait(60):
             raise RuntimeError("the fake server did not start")
     try:
-        cells = asyncio.run(measure(f"127.0.0.1:{port}", [int(b) for b in args.concurrency.split(",")], args.requests_per_slot, args.channels))
+        concurrency = [int(b) for b in args.concurrency.split(",")]
+        cells = asyncio.run(measure(f"127.0.0.1:{port}", concurrency, args.requests_per_slot, args.channels))
     finally:
         for proc in servers:
             proc.terminate()
@@ -103,7 +104,8 @@ def main(argv=None) -> list[dict]:
     if args.json:
         print(json.dumps(cells, indent=1))
     for c in cells:
-        print(f"B={c['concurrency']:<3} {c['msgs_per_s']:8.0f} msg/s {c['output_tok_per_s']:8.0f} tok/s  client CPU {c['client_cpu_frac']:4.0%}  "
+        print(f"B={c['concurrency']:<3} {c['msgs_per_s']:8.0f} msg/s {c['output_tok_per_s']:8.0f} tok/s  "
+              f"client CPU {c['client_cpu_frac']:4.0%}  "
               f"{c['client_us_per_msg']:5.1f} us/msg  {c['failures']} failed")
     return cells
 

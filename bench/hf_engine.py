@@ -154,7 +154,8 @@ class HfEngine:
             generated = seqs[row, prompt_len:].tolist()
             n = generated.index(self.eos) + 1 if self.eos in generated else len(generated)
             rec = RequestRecord(index=i, start=start, end=end, ttft=(timer.times[0] - start) if timer.times else None,
-                                text_tokens=n, text_deltas=n, itl=list(gaps), usage_tokens=n, prompt_tokens=int(kw["attention_mask"][row].sum()),
+                                text_tokens=n, text_deltas=n, itl=list(gaps), usage_tokens=n,
+                                prompt_tokens=int(kw["attention_mask"][row].sum()),
                                 finished=True)
             if w.speech:
                 rec.audio_samples, rec.audio_chunks, rec.ttfa = samples[row], 1, end - start

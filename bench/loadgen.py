@@ -76,6 +76,9 @@ class MeshClient:
                     u = resp.finished.usage
                     rec.finished = True
                     rec.usage_tokens, rec.audio_frames, rec.prompt_tokens = u.completion_tokens, u.audio_frames, u.prompt_tokens
+                    rec.server_ttft = u.time_to_first_token_seconds or None
+                    rec.server_ttfa = u.time_to_first_audio_seconds or None
+                    rec.stage_seconds = {t.stage: t.seconds for t in u.timings}
         except grpc.aio.AioRpcError as e:
             rec.error, rec.detail = e.code().name, (e.details() or "")[:500]
         except asyncio.CancelledError:

@@ -22,6 +22,10 @@ class RequestRecord:
     audio_frames: int = 0  # usage.audio_frames of the final message
     usage_tokens: int = 0  # usage.completion_tokens of the final message
     prompt_tokens: int = 0
+    # The gateway's own view (usage of the final message): client minus server is the client's and the wire's share.
+    server_ttft: float | None = None
+    server_ttfa: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # usage.timings: preprocess, encode, thinker_*, talker, ...
     finished: bool = False
     error: str = ""  # gRPC status code name, or an exception's class
     detail: str = ""
@@ -83,4 +87,8 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
         "e2e_p99": percentile([r.latency for r in ok], 99),
         "rtf_p50": percentile([r.latency / r.audio_seconds for r in speech], 50),
         "prompt_tokens_p50": percentile([r.prompt_tokens for r in ok if r.prompt_tokens], 50),
+        "server_ttft_p50": percentile([r.server_ttft for r in ok], 50),
+        "server_ttfa_p50": percentile([r.server_ttfa for r in speech], 50),
+        "stage_seconds_p50": {stage: percentile([r.stage_seconds.get(stage) for r in ok], 50)
+                              for stage in dict.fromkeys(k for r in ok for k in r.stage_seconds)},
     }

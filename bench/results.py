@@ -74,7 +74,8 @@ def model_info(model_dir: Path | None, model_cfg) -> dict:
     if cfg_path and cfg_path.exists():
         raw = json.loads(cfg_path.read_text())
         text = raw["thinker_config"]["text_config"]
-        info["thinker"] = {k: text.get(k) for k in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "vocab_size")}
+        keys = ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "vocab_size")
+        info["thinker"] = {k: text.get(k) for k in keys}
         talker = raw.get("talker_config", {}).get("text_config", {})
         info["talker"] = {k: talker.get(k) for k in ("hidden_size", "num_hidden_layers", "num_experts")}
     return info

@@ -190,7 +190,8 @@ class Sweep:
                 info = await client.model_info()
             except grpc.aio.AioRpcError as e:
                 raise SystemExit(f"cannot reach the gateway at {address}: {e.code().name}: {e.details()}") from None
-            self.result["model"]["served"] = {"model": info.model, "voices": list(info.voices), "max_new_tokens": info.limits.max_new_tokens}
+            self.result["model"]["served"] = {"model": info.model, "voices": list(info.voices),
+                                              "max_new_tokens": info.limits.max_new_tokens}
             await self.run(MeshRunner(client, self.media, self.args.seed), stage_died)
         finally:
             await client.close()
@@ -228,6 +229,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.engine == "hf" and (args.launch or args.address):
+        raise SystemExit("--launch and --address drive the mesh; --engine hf runs transformers in this process")
     started = time.perf_counter()
     cfg = load_config(args.config)
     config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text())}

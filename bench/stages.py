@@ -216,8 +216,8 @@ def main(argv=None) -> dict:
     cfg = load_config(args.config)
     deadline = time.perf_counter() + args.max_minutes * 60 if args.max_minutes else None
     config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text())}
-    result = results.new_result("stages", config, results.model_info(cfg.model.dir, cfg.model),
-                                {"command": "python -m bench.stages " + shlex.join(sys.argv[1:] if argv is None else argv), "args": vars(args)})
+    command = "python -m bench.stages " + shlex.join(sys.argv[1:] if argv is None else argv)
+    result = results.new_result("stages", config, results.model_info(cfg.model.dir, cfg.model), {"command": command, "args": vars(args)})
     for name in args.stages.split(","):
         cells, replica_stage = STAGES[name]
         device = args.device or (cfg.replicas(replica_stage)[0].device if replica_stage and cfg.replicas(replica_stage) else "cpu")

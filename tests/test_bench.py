@@ -97,6 +97,8 @@ def check_sweep(path, engine: str, lost_per_chunk: int) -> dict:
             assert cell["rtf_p50"] is None and cell["audio_s"] == 0, where
         if engine == "mesh":
             assert 0 < cell["client_cpu_frac"] < 1 and cell["messages"] > 0, where
+            # The gateway's clock starts after the client's and stops before the client has read the message.
+            assert all(0 < r["server_ttft"] <= r["ttft"] for r in recs) and "total" in cell["stage_seconds_p50"], where
     return result
 
 
