@@ -233,10 +233,13 @@ def main(argv=None) -> dict:
         raise SystemExit("--launch and --address drive the mesh; --engine hf runs transformers in this process")
     started = time.perf_counter()
     cfg = load_config(args.config)
+    if cfg.model.dir and not (cfg.model.dir / "config.json").exists():
+        raise SystemExit(f"no model folder at {cfg.model.dir}: python -m services.model.build full {cfg.model.path}")
     config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text())}
     run = {"command": "python -m bench.run " + shlex.join(sys.argv[1:] if argv is None else argv), "args": vars(args),
            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     result = results.new_result(args.engine, config, results.model_info(cfg.model.dir, cfg.model), run)
+    result["machine"] = results.machine()
     sweep = Sweep(args, result)
     results.write(result, args.out)
     if args.engine == "hf":
@@ -256,7 +259,7 @@ def main(argv=None) -> dict:
         mesh = Mesh(args.config, args.log_dir)
         t0 = time.perf_counter()
         mesh.start(timeout=args.launch_timeout)
-        run["launch_s"] = time.perf_counter() - t0
+        run["launch_s"], run["log_dir"] = time.perf_counter() - t0, str(mesh.log_dir)
         print(f"mesh of {args.config} healthy after {run['launch_s']:.0f}s", flush=True)
 
         def stage_died() -> str:
@@ -269,7 +272,6 @@ def main(argv=None) -> dict:
             run["stage_exit_codes"] = mesh.stop()
     else:
         asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda: ""))
-    result["machine"] = results.machine()
     run.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=time.perf_counter() - started)
     results.write(result, args.out)
     print(f"wrote {args.out} ({len(result['cells'])} cells, {run['wall_s']:.0f}s)", flush=True)

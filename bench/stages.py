@@ -214,10 +214,13 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config)
+    if cfg.model.dir and not (cfg.model.dir / "config.json").exists():
+        raise SystemExit(f"no model folder at {cfg.model.dir}: python -m services.model.build full {cfg.model.path}")
     deadline = time.perf_counter() + args.max_minutes * 60 if args.max_minutes else None
     config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text())}
     command = "python -m bench.stages " + shlex.join(sys.argv[1:] if argv is None else argv)
     result = results.new_result("stages", config, results.model_info(cfg.model.dir, cfg.model), {"command": command, "args": vars(args)})
+    result["machine"] = results.machine()
     for name in args.stages.split(","):
         cells, replica_stage = STAGES[name]
         device = args.device or (cfg.replicas(replica_stage)[0].device if replica_stage and cfg.replicas(replica_stage) else "cpu")
@@ -238,7 +241,6 @@ def main(argv=None) -> dict:
             stage_cells.close()  # drops the stage's engine before the next one loads
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    result["machine"] = results.machine()
     result["run"]["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results.write(result, args.out)
     print(f"wrote {args.out} ({len(result['cells'])} cells)")
