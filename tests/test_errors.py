@@ -145,25 +145,25 @@ def _wait_released(mesh, timeout: float) -> dict:
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_cancel_or_deadline_frees_every_stage(mesh, how):
-    req = user(("image", png(11)), ("text", "talk a lot")).request(speech=True, max_tokens=200, frames=200)
+    generate(mesh.gateway_address, user(("text", "warm up")).request(speech=True, max_tokens=3, frames=3))
+    req = user(("image", png(11)), ("text", "talk a lot")).request(speech=True, max_tokens=250, frames=250)
     req.sampling.ignore_eos = req.talker_sampling.ignore_eos = True
+    both_busy = False  # seen the thinker and the talker both holding the request
     with grpc.insecure_channel(mesh.gateway_address) as ch:
         stub = omni_pb2_grpc.OmniStub(ch)
-        if how == "cancel":
-            call = stub.Generate(req, timeout=60)
-            seen = set()
+        call = stub.Generate(req, timeout=60 if how == "cancel" else 2.5)
+        try:
             for resp in call:
-                seen.add(resp.WhichOneof("event"))
-                if "audio" in seen:
-                    break  # the talker and the thinker are both busy with it now
-            busy = _held(mesh)
-            call.cancel()
+                if resp.HasField("audio") and not both_busy:
+                    held = _held(mesh)
+                    both_busy = held["thinker0"][0] == 1 and held["talker0"][0] == 1
+                    if both_busy and how == "cancel":
+                        call.cancel()
+        except grpc.RpcError as e:
+            assert e.code() == (grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED)
         else:
-            with pytest.raises(grpc.RpcError) as e:
-                for _ in stub.Generate(req, timeout=1.5):
-                    busy = _held(mesh)
-            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert busy["thinker0"][0] == 1 and busy["talker0"][0] == 1, busy
+            pytest.fail("the call finished before it was cancelled or timed out")
+    assert both_busy
     held = _wait_released(mesh, timeout=mesh.cfg.transport.reclaim_after_s + 5)
     assert all(v == (0, 0, 0) for v in held.values()), held
     assert generate(mesh.gateway_address, user(("text", "next")).request(max_tokens=3)).finished is not None

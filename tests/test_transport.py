@@ -46,7 +46,7 @@ def test_round_trip_is_bit_exact(pair, placement):
 
 def test_unreleased_slots_are_reclaimed(pair):
     producer, consumer = pair
-    before = metrics.SHM_RECLAIMED._value.get()
+    before = metrics.SHM_RECLAIMED.labels("shm")._value.get()
     refs = [producer.put(make(torch.float32, (100,), i), HERE) for i in range(5)]
     assert producer.pool.slots_in_use == 5
     consumer.get(refs[0])  # released by its reader
@@ -54,7 +54,7 @@ def test_unreleased_slots_are_reclaimed(pair):
     assert producer.pool.slots_in_use == 4
     time.sleep(1.3)
     producer.pool.sweep()
-    assert producer.pool.slots_in_use == 0 and metrics.SHM_RECLAIMED._value.get() - before == 4
+    assert producer.pool.slots_in_use == 0 and metrics.SHM_RECLAIMED.labels("shm")._value.get() - before == 4
     with pytest.raises(ValueError, match="released or reclaimed before it was read"):
         consumer.get(refs[1])
 
@@ -92,12 +92,12 @@ def test_a_full_pool_falls_back_to_inline_without_corruption():
     cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60)
     producer, consumer = Transport(cfg, "small", "local"), Transport(cfg, "smallc", "local")
     try:
-        before = metrics.SHM_FALLBACKS._value.get()
+        before = metrics.SHM_FALLBACKS.labels("shm")._value.get()
         tensors = [make(torch.float32, (300,), i) for i in range(8)]  # 1200 bytes each: 3 fit, then the slots run out
         refs = [producer.put(t, HERE) for t in tensors]
         kinds = [r.WhichOneof("location") for r in refs]
         assert kinds.count("shm") == 3 and kinds.count("inline_data") == 5
-        assert metrics.SHM_FALLBACKS._value.get() - before == 5
+        assert metrics.SHM_FALLBACKS.labels("shm")._value.get() - before == 5
         assert all(torch.equal(consumer.get(r), t) for r, t in zip(refs, tensors))
         producer.pool.sweep()
         assert producer.pool.slots_in_use == 0
@@ -118,6 +118,18 @@ def test_malformed_refs_are_refused(pair):
     with pytest.raises(ValueError, match="inline data has 3 bytes"):
         consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2], inline_data=b"abc"))
     with pytest.raises(ValueError, match="not a tensor pool"):
-        consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1], shm=tensor_pb2.ShmSlot(pool="../etc/passwd")))
+        consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1], shm=tensor_pb2.ShmSlot(pool="../etc/passwd", nbytes=4)))
+    with pytest.raises(ValueError, match="slot has 8 bytes"):
+        consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1], shm=tensor_pb2.ShmSlot(pool="omni-x-1", nbytes=8)))
     with pytest.raises(ValueError, match="unknown dtype"):
         consumer.get(tensor_pb2.TensorRef(dtype=99, shape=[1], inline_data=b"abcd"))
+
+
+def test_many_transfers_between_processes_leave_the_pool_empty():
+    """The GPU test's harness on host memory: two producers, two consumers each."""
+    from test_gpu_transport import run
+
+    results = run([("cpu", 1000), ("cpu", 1000)], ["cpu", "cpu"])
+    consumers = [r for r in results if r[0] == "consumer"]
+    assert sum(r[2] for r in consumers) == 2000 and all(r[3] == 0 for r in consumers), results
+    assert [r[2] for r in results if r[0] == "producer"] == [0, 0]

@@ -13,12 +13,13 @@ KINDS = {common_pb2.MEDIA_KIND_IMAGE: "image", common_pb2.MEDIA_KIND_AUDIO: "aud
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, worker: EngineWorker, transport: Transport):
-        self.worker, self.transport = worker, transport
+    def __init__(self, worker: EngineWorker, transport: Transport, device: str):
+        self.worker, self.transport, self.device = worker, transport, device
 
     @rpc
     async def Encode(self, request, context):
-        items = [Item(KINDS.get(f.kind, "unknown"), self.transport.get(f.values), tuple(f.grid_thw) or None) for f in request.items]
+        items = [Item(KINDS.get(f.kind, "unknown"), self.transport.get(f.values, self.device), tuple(f.grid_thw) or None)
+                 for f in request.items]
         job = EncodeJob(items)
         handle = self.worker.submit(job)
         finished = False
@@ -42,7 +43,9 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     engine = ReferenceEncoder(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
     worker = EngineWorker(engine, "encoder")
     transport = Transport(cfg.transport, f"encoder{replica}", r.shm_domain)
-    name = add_service(server, EncoderServicer(worker, transport), encoder_pb2.DESCRIPTOR.services_by_name["Encoder"])
+    if engine.device.type == "cuda":
+        transport.cuda_pool(engine.device)  # allocate and export the embeddings pool before serving
+    name = add_service(server, EncoderServicer(worker, transport, r.device), encoder_pb2.DESCRIPTOR.services_by_name["Encoder"])
 
     async def close():
         worker.stop()

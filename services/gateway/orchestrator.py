@@ -29,7 +29,11 @@ SAMPLE_RATE = 24000
 
 
 def _placement(endpoint: Endpoint | None) -> tensor_pb2.Placement:
-    return tensor_pb2.Placement(shm_domain=endpoint.replica.shm_domain if endpoint else "")
+    """Where a stage will read what the call produces, so the producer picks a transport it can use."""
+    if endpoint is None:
+        return tensor_pb2.Placement()
+    r = endpoint.replica
+    return tensor_pb2.Placement(shm_domain=r.shm_domain, cuda=r.device.startswith("cuda"))
 
 
 def wav_bytes(pcm16: bytes, rate: int = SAMPLE_RATE) -> bytes:

@@ -81,6 +81,9 @@ class TransportConfig:
     max_slots: int = 4096
     # A slot its consumer never released is reclaimed after this long.
     reclaim_after_s: float = 60.0
+    # Between GPU processes of one host, GPU tensors move through CUDA IPC pools of this size (one per GPU).
+    cuda_ipc: bool = True
+    cuda_pool_bytes: int = 1 << 30
 
 
 @dataclass

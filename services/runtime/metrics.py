@@ -26,10 +26,10 @@ TOKENS = Counter("omni_generated_tokens", "Tokens (thinker) or frames (talker) p
 
 TRANSPORT_BYTES = Counter("omni_transport_bytes", "Tensor bytes handed over", ["transport", "direction"])
 TRANSPORT_TRANSFERS = Counter("omni_transport_transfers", "Tensors handed over", ["transport", "direction"])
-SHM_SLOTS = Gauge("omni_shm_slots_in_use", "Shared-memory slots allocated and not yet released")
-SHM_BYTES = Gauge("omni_shm_bytes_in_use", "Shared-memory bytes allocated and not yet released")
-SHM_RECLAIMED = Counter("omni_shm_slots_reclaimed", "Slots reclaimed after their consumer never released them")
-SHM_FALLBACKS = Counter("omni_shm_fallbacks", "Tensors sent inline because the pool was full")
+SHM_SLOTS = Gauge("omni_shm_slots_in_use", "Tensor pool slots allocated and not yet released", ["pool"])
+SHM_BYTES = Gauge("omni_shm_bytes_in_use", "Tensor pool bytes allocated and not yet released", ["pool"])
+SHM_RECLAIMED = Counter("omni_shm_slots_reclaimed", "Slots reclaimed after their consumer never released them", ["pool"])
+SHM_FALLBACKS = Counter("omni_shm_fallbacks", "Tensors sent another way because their pool was full", ["pool"])
 
 STAGE = "unknown"
 

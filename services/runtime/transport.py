@@ -1,10 +1,11 @@
-"""Tensors between stages: by reference through a shared-memory pool on one host, inline bytes otherwise.
+"""Tensors between stages: by reference on one host (CUDA IPC for GPU tensors between GPU processes,
+shared memory otherwise), inline bytes across hosts. Stage code calls `put` and `get`, never more.
 
-The producer owns one pool per process, a file in /dev/shm holding a slot table and a data region.
-A TensorRef names (pool, slot, generation, offset, bytes). The consumer maps each pool once, copies the
-tensor out and marks the slot released in the table; the producer frees released slots, and reclaims
-slots nobody released (a consumer that died, a request cancelled in between) after `reclaim_after_s`.
-Stage code calls `put` and `get` and never branches on the transport.
+A producer owns pools: one in /dev/shm for host tensors, one per GPU for device tensors (see
+cuda_ipc.py), each with a slot table in /dev/shm. A TensorRef names (pool, slot, generation, offset,
+bytes). The consumer maps each pool once, copies the tensor out and marks the slot released in the
+table; the producer frees released slots, and reclaims slots nobody released (a consumer that died, a
+request cancelled in between) after `reclaim_after_s`.
 """
 
 import atexit
@@ -45,23 +46,26 @@ def clean_stale_pools() -> None:
 
 
 class ShmPool:
-    """A producer's pool: a slot table and a first-fit allocator over one /dev/shm file."""
+    """A producer's pool: a slot table and a first-fit allocator in one /dev/shm file. The data region
+    follows the table in the same file (`host_data`), or is a GPU buffer the offsets index (CUDA IPC)."""
 
-    def __init__(self, name: str, size: int, max_slots: int, reclaim_after_s: float):
+    def __init__(self, name: str, size: int, max_slots: int, reclaim_after_s: float, host_data: bool = True):
         self.name, self.reclaim_after_s = name, reclaim_after_s
+        self.kind = "shm" if host_data else name.rsplit("-", 2)[-2]
         self.path = SHM_DIR / name
         header = -(-max_slots * _SLOT.itemsize // _ALIGN) * _ALIGN
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, header + size)
-            self._mm = mmap.mmap(fd, header + size)
+            os.ftruncate(fd, header + (size if host_data else 0))
+            self._mm = mmap.mmap(fd, header + (size if host_data else 0))
         finally:
             os.close(fd)
         self.table = np.ndarray((max_slots,), dtype=_SLOT, buffer=self._mm)
         self.table[:] = 0
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._live: set[int] = set()
-        self._free = [(header, size)]  # (offset, nbytes), sorted, coalesced
+        start = header if host_data else 0
+        self._free = [(start, size)]  # (offset, nbytes), sorted, coalesced
         self._lock = threading.Lock()
         self._closed = False
         self._sweeper = threading.Thread(target=self._sweep_forever, name=f"{name}-sweep", daemon=True)
@@ -103,7 +107,7 @@ class ShmPool:
             released = entry["released"] == entry["generation"]
             if released or now - entry["t_alloc"] > self.reclaim_after_s:
                 if not released:
-                    metrics.SHM_RECLAIMED.inc()
+                    metrics.SHM_RECLAIMED.labels(self.kind).inc()
                     log.warning("reclaimed shm slot %d of %s: never released", slot, self.name)
                 self._release_locked(slot)
         self._update_gauges()
@@ -125,8 +129,8 @@ class ShmPool:
         self._free = merged
 
     def _update_gauges(self) -> None:
-        metrics.SHM_SLOTS.set(len(self._live))
-        metrics.SHM_BYTES.set(sum(int(self.table[s]["nbytes"]) for s in self._live))
+        metrics.SHM_SLOTS.labels(self.kind).set(len(self._live))
+        metrics.SHM_BYTES.labels(self.kind).set(sum(int(self.table[s]["nbytes"]) for s in self._live))
 
     @property
     def slots_in_use(self) -> int:
@@ -173,7 +177,9 @@ class Transport:
         self.cfg, self.owner = cfg, owner
         self.shm_domain = shm_domain if cfg.shm else ""
         self._pool: ShmPool | None = None
+        self._cuda_pools: dict = {}  # device -> CudaPool
         self._views: dict[str, _PoolView] = {}
+        self._mapped: dict[str, torch.Tensor] = {}  # GPU pools of other processes, mapped once
         self._lock = threading.Lock()
 
     @property
@@ -185,29 +191,51 @@ class Transport:
                 self._pool = ShmPool(name, self.cfg.pool_bytes, self.cfg.max_slots, self.cfg.reclaim_after_s)
             return self._pool
 
+    def cuda_pool(self, device: torch.device):
+        """This process's pool on `device`, allocated and exported on first use (stages warm it at start)."""
+        from services.runtime.cuda_ipc import CudaPool
+
+        with self._lock:
+            if device not in self._cuda_pools:
+                clean_stale_pools()
+                self._cuda_pools[device] = CudaPool(self.owner, device, self.cfg.cuda_pool_bytes, self.cfg.max_slots,
+                                                    self.cfg.reclaim_after_s)
+            return self._cuda_pools[device]
+
+    def _count(self, transport: str, direction: str, nbytes: int) -> None:
+        metrics.TRANSPORT_BYTES.labels(transport, direction).inc(nbytes)
+        metrics.TRANSPORT_TRANSFERS.labels(transport, direction).inc()
+
     def put(self, tensor: torch.Tensor, placement: tensor_pb2.Placement | None) -> tensor_pb2.TensorRef:
         tensor = tensor.detach()
         if tensor.dtype not in DTYPES:
             raise TypeError(f"unsupported dtype {tensor.dtype}")
         ref = tensor_pb2.TensorRef(dtype=DTYPES[tensor.dtype], shape=list(tensor.shape))
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes and self.shm_domain and placement is not None and placement.shm_domain == self.shm_domain:
+        same_host = bool(nbytes and self.shm_domain and placement is not None and placement.shm_domain == self.shm_domain)
+        if same_host and tensor.is_cuda and placement.cuda and self.cfg.cuda_ipc:
+            pool = self.cuda_pool(tensor.device)
+            slot = pool.put(tensor)
+            if slot is not None:
+                ref.cuda.CopyFrom(slot)
+                self._count("cuda_ipc", "out", nbytes)
+                return ref
+            metrics.SHM_FALLBACKS.labels(pool.table.kind).inc()
+        if same_host:
             got = self.pool.alloc(nbytes)
             if got is not None:
                 slot, gen, offset = got
                 self.pool.write(offset, tensor.cpu())
                 ref.shm.CopyFrom(tensor_pb2.ShmSlot(pool=self.pool.name, slot=slot, generation=gen, offset=offset, nbytes=nbytes))
-                metrics.TRANSPORT_BYTES.labels("shm", "out").inc(nbytes)
-                metrics.TRANSPORT_TRANSFERS.labels("shm", "out").inc()
+                self._count("shm", "out", nbytes)
                 return ref
-            metrics.SHM_FALLBACKS.inc()
+            metrics.SHM_FALLBACKS.labels("shm").inc()
         ref.inline_data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        metrics.TRANSPORT_BYTES.labels("inline", "out").inc(nbytes)
-        metrics.TRANSPORT_TRANSFERS.labels("inline", "out").inc()
+        self._count("inline", "out", nbytes)
         return ref
 
     def get(self, ref: tensor_pb2.TensorRef, device: str | torch.device = "cpu") -> torch.Tensor:
-        """The tensor a ref names, in this process's memory; a shared-memory slot is released once read."""
+        """The tensor a ref names, in this process's memory on `device`; its slot is released once read."""
         dtype = TORCH_DTYPES.get(ref.dtype)
         if dtype is None:
             raise ValueError(f"TensorRef has unknown dtype {ref.dtype}")
@@ -218,35 +246,39 @@ class Transport:
             if len(ref.inline_data) != count * dtype.itemsize:
                 raise ValueError(f"TensorRef inline data has {len(ref.inline_data)} bytes, shape {shape} needs {count * dtype.itemsize}")
             out = torch.frombuffer(bytearray(ref.inline_data), dtype=dtype).reshape(shape) if count else torch.empty(shape, dtype=dtype)
-            metrics.TRANSPORT_BYTES.labels("inline", "in").inc(len(ref.inline_data))
-            metrics.TRANSPORT_TRANSFERS.labels("inline", "in").inc()
+            self._count("inline", "in", len(ref.inline_data))
             return out.to(device)
+        if where not in ("shm", "cuda"):
+            raise ValueError("TensorRef has no location")
+        s = getattr(ref, where)
+        if s.nbytes != count * dtype.itemsize:
+            raise ValueError(f"TensorRef slot has {s.nbytes} bytes, shape {shape} needs {count * dtype.itemsize}")
+        entry = self._view(s.pool).entry(s.slot)
+
+        def live() -> bool:
+            return int(entry["generation"]) == s.generation and int(entry["released"]) != s.generation
+
+        if not live():
+            raise ValueError(f"slot {s.pool}/{s.slot} was released or reclaimed before it was read")
         if where == "shm":
-            s = ref.shm
-            view = self._view(s.pool)
-            entry = view.entry(s.slot)
+            out = torch.frombuffer(self._view(s.pool).mm, dtype=dtype, count=count, offset=s.offset).reshape(shape).to(device, copy=True)
+        else:
+            from services.runtime.cuda_ipc import read
 
-            def live() -> bool:
-                return int(entry["generation"]) == s.generation and int(entry["released"]) != s.generation
+            out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device)
+        if not live():  # reclaimed while we copied: what we read may be another tensor's
+            raise ValueError(f"slot {s.pool}/{s.slot} was reclaimed while it was read")
+        entry["released"] = s.generation
+        self._count("cuda_ipc" if where == "cuda" else "shm", "in", s.nbytes)
+        return out
 
-            if not live():
-                raise ValueError(f"shm slot {s.pool}/{s.slot} was released or reclaimed before it was read")
-            src = torch.frombuffer(view.mm, dtype=dtype, count=count, offset=s.offset).reshape(shape)
-            out = src.to(device, copy=True)
-            if not live():  # reclaimed while we copied: what we read may be another tensor's
-                raise ValueError(f"shm slot {s.pool}/{s.slot} was reclaimed while it was read")
-            entry["released"] = s.generation
-            metrics.TRANSPORT_BYTES.labels("shm", "in").inc(s.nbytes)
-            metrics.TRANSPORT_TRANSFERS.labels("shm", "in").inc()
-            return out
-        raise ValueError("TensorRef has no location")
+    def _mapped_pool(self, s: tensor_pb2.CudaIpcSlot) -> torch.Tensor:
+        from services.runtime.cuda_ipc import open_pool
 
-    def release(self, ref: tensor_pb2.TensorRef) -> None:
-        """Gives a slot back without reading it (a request was dropped)."""
-        if ref.WhichOneof("location") == "shm":
-            entry = self._view(ref.shm.pool).entry(ref.shm.slot)
-            if int(entry["generation"]) == ref.shm.generation:
-                entry["released"] = ref.shm.generation
+        with self._lock:
+            if s.pool not in self._mapped:
+                self._mapped[s.pool] = open_pool(s.handle)
+            return self._mapped[s.pool]
 
     def _view(self, pool: str) -> _PoolView:
         with self._lock:
@@ -257,3 +289,5 @@ class Transport:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        for pool in self._cuda_pools.values():
+            pool.close()

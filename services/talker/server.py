@@ -31,7 +31,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         return TalkerSeq(
             request_id=start.request_id, prompt_ids=torch.tensor(start.prompt_ids, dtype=torch.long), layout=layout,
             speaker_id=self.spec.voices[voice], params=sampling_from_proto(start.sampling),
-            tts_embeds=self.transport.get(start.tts_embeds),
+            tts_embeds=self.transport.get(start.tts_embeds, self.engine.device),
         )
 
     async def _feed(self, inputs, seq: TalkerSeq) -> None:
@@ -43,7 +43,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                     s = msg.states
                     if s.start != expected:
                         raise InvalidArgument(f"thinker states out of order: position {s.start}, expected {expected}")
-                    embeds, hidden = self.transport.get(s.embeds), self.transport.get(s.hidden)
+                    embeds, hidden = self.transport.get(s.embeds, self.engine.device), self.transport.get(s.hidden, self.engine.device)
                     expected += len(embeds)
                     seq.inbox.append((embeds, hidden))
                 elif msg.HasField("end"):

@@ -16,8 +16,8 @@ STOP_REASONS = {"eos": thinker_pb2.STOP_REASON_EOS, "length": thinker_pb2.STOP_R
 
 
 class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
-    def __init__(self, worker: EngineWorker, transport: Transport):
-        self.worker, self.transport = worker, transport
+    def __init__(self, worker: EngineWorker, transport: Transport, device: str):
+        self.worker, self.transport, self.device = worker, transport, device
 
     def _seq(self, req: thinker_pb2.ThinkerRequest) -> ThinkerSeq:
         n = len(req.prompt_ids)
@@ -29,7 +29,7 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
         if req.sampling.max_tokens < 1:
             raise InvalidArgument("sampling.max_tokens must be at least 1")
         spans = [
-            Span(s.offset, self.transport.get(s.embeds), [self.transport.get(d) for d in s.deepstack])
+            Span(s.offset, self.transport.get(s.embeds, self.device), [self.transport.get(d, self.device) for d in s.deepstack])
             for s in req.spans
         ]
         return ThinkerSeq(
@@ -69,7 +69,9 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     engine = ReferenceThinker(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
     worker = EngineWorker(engine, "thinker")
     transport = Transport(cfg.transport, f"thinker{replica}", r.shm_domain)
-    name = add_service(server, ThinkerServicer(worker, transport), thinker_pb2.DESCRIPTOR.services_by_name["Thinker"])
+    if engine.device.type == "cuda":
+        transport.cuda_pool(engine.device)  # allocate and export the states pool before serving
+    name = add_service(server, ThinkerServicer(worker, transport, r.device), thinker_pb2.DESCRIPTOR.services_by_name["Thinker"])
 
     async def close():
         worker.stop()

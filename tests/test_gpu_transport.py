@@ -1,0 +1,141 @@
+"""CUDA IPC transport between real processes: a producer on GPU0, consumers on GPU0 and GPU1."""
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from omni.stage.v1 import tensor_pb2
+from services.runtime.config import TransportConfig
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8]
+SHAPES = [(1,), (7,), (3, 5), (256, 2048), (2, 3, 4), (1000, 33)]
+CFG = TransportConfig(cuda_pool_bytes=256 << 20, max_slots=512, reclaim_after_s=3.0)
+
+
+def tensor(i: int, device) -> torch.Tensor:
+    dtype, shape = DTYPES[i % len(DTYPES)], SHAPES[(i // len(DTYPES)) % len(SHAPES)]
+    g = torch.Generator(device="cpu").manual_seed(i)
+    return (torch.randn(shape, generator=g) * 1000).to(dtype).to(device)
+
+
+def producer(device: str, n: int, outs, report, name: str) -> None:
+    from services.runtime.transport import Transport
+
+    t = Transport(CFG, name, "local")
+    cuda = device.startswith("cuda")
+    placement = tensor_pb2.Placement(shm_domain="local", cuda=cuda)
+    pool = t.cuda_pool(torch.device(device)).table if cuda else t.pool
+    for i in range(n):
+        ref = t.put(tensor(i, device), placement)
+        assert ref.WhichOneof("location") == ("cuda" if cuda else "shm")
+        outs[i % len(outs)].send((i, ref.SerializeToString()))
+    for q in outs:
+        q.send(None)
+    deadline = time.monotonic() + 30  # wait until every consumer has released what it read
+    while pool.slots_in_use and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report.send(("producer", name, pool.slots_in_use))
+    time.sleep(1)  # consumers may still hold the mapping while they exit
+    t.close()
+
+
+def consumer(device: str, inbox, report, name: str) -> None:
+    from services.runtime.transport import Transport
+
+    t = Transport(CFG, name, "local")
+    count = bad = 0
+    while (item := inbox.recv()) is not None:
+        i, data = item
+        got = t.get(tensor_pb2.TensorRef.FromString(data), device)
+        bad += not (got.device.type == torch.device(device).type and torch.equal(got.cpu(), tensor(i, "cpu")))
+        count += 1
+    report.send(("consumer", name, count, bad))
+
+
+def run(producers: list[tuple[str, int]], consumers_per_producer: list[str]) -> list:
+    """Producers send refs through pipes to their consumers; every process reports through its own pipe."""
+    ctx = mp.get_context("spawn")
+    procs, reports = [], []
+
+    def report_pipe():
+        r, w = ctx.Pipe(duplex=False)
+        reports.append(r)
+        return w
+
+    for p, (pdev, n) in enumerate(producers):
+        pipes = [ctx.Pipe(duplex=False) for _ in consumers_per_producer]
+        procs.append(ctx.Process(target=producer, args=(pdev, n, [w for _, w in pipes], report_pipe(), f"prod{p}")))
+        procs += [ctx.Process(target=consumer, args=(cdev, r, report_pipe(), f"cons{p}{c}"))
+                  for c, (cdev, (r, _)) in enumerate(zip(consumers_per_producer, pipes))]
+    for proc in procs:
+        proc.start()
+    results = []
+    for r in reports:
+        assert r.poll(300), "a process did not report"
+        results.append(r.recv())
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    return results
+
+
+def devices() -> list[str]:
+    return ["cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]
+
+
+def test_bit_exact_to_the_same_gpu_and_across_gpus():
+    n = len(DTYPES) * len(SHAPES) * 2
+    results = run([("cuda:0", n)], devices())
+    consumers = [r for r in results if r[0] == "consumer"]
+    assert sum(r[2] for r in consumers) == n and all(r[3] == 0 for r in consumers), results
+    assert [r[2] for r in results if r[0] == "producer"] == [0]
+
+
+def test_ten_thousand_transfers_leave_the_pool_empty():
+    results = run([("cuda:0", 10_000)], devices())
+    assert sum(r[2] for r in results if r[0] == "consumer") == 10_000
+    assert all(r[3] == 0 for r in results if r[0] == "consumer")
+    assert [r[2] for r in results if r[0] == "producer"] == [0]
+
+
+def test_concurrent_producers_and_consumers():
+    results = run([("cuda:0", 2000), (devices()[1], 2000)], devices())
+    assert sum(r[2] for r in results if r[0] == "consumer") == 4000
+    assert all(r[3] == 0 for r in results if r[0] == "consumer")
+    assert [r[2] for r in results if r[0] == "producer"] == [0, 0]
+
+
+def _map_and_die(data: bytes, ready) -> None:
+    from services.runtime.transport import Transport
+
+    t = Transport(CFG, "dying", "local")
+    ref = tensor_pb2.TensorRef.FromString(data)
+    t._mapped_pool(ref.cuda)  # maps the pool, never reads or releases the slot
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_killed_consumers_slots_are_reclaimed():
+    from services.runtime.transport import Transport
+
+    t = Transport(CFG, "killprod", "local")
+    placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
+    refs = [t.put(tensor(i, "cuda:0"), placement) for i in range(20)]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_map_and_die, args=(refs[0].SerializeToString(), ready))
+    proc.start()
+    assert ready.wait(120)
+    proc.kill()
+    proc.join()
+    pool = t.cuda_pool(torch.device("cuda:0"))
+    deadline = time.monotonic() + CFG.reclaim_after_s + 5
+    while pool.table.slots_in_use and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pool.table.slots_in_use == 0
+    assert t.put(tensor(0, "cuda:0"), placement).WhichOneof("location") == "cuda"  # and the pool still serves
+    t.close()
