@@ -29,7 +29,6 @@ class CudaPool:
         _check_allocator()
         self.device = device
         self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        self.stream = torch.cuda.current_stream(device)
         self.table = ShmPool(f"omni-{owner}-cuda{device.index}-{os.getpid()}", size, max_slots, reclaim_after_s, host_data=False)
         _, args = reduce_tensor(self.buffer)
         (_, _, _, _, _, _, dev, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset, event_handle, event_sync) = args
@@ -47,7 +46,7 @@ class CudaPool:
         slot, gen, offset = got
         self.buffer[offset:offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         # The consumer reads from another process: the bytes must be there before the ref leaves.
-        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
         return tensor_pb2.CudaIpcSlot(pool=self.table.name, slot=slot, generation=gen, offset=offset, nbytes=nbytes, handle=self.handle)
 
     def close(self) -> None:
