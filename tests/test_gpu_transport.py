@@ -13,19 +13,30 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8]
 SHAPES = [(1,), (7,), (3, 5), (256, 2048), (2, 3, 4), (1000, 33)]
-CFG = TransportConfig(cuda_pool_bytes=256 << 20, max_slots=512, reclaim_after_s=3.0)
+CFG = TransportConfig(cuda_pool_bytes=256 << 20, max_slots=512, reclaim_after_s=60.0)
+QUICK_RECLAIM = TransportConfig(cuda_pool_bytes=64 << 20, max_slots=64, reclaim_after_s=3.0)
+
+
+_BASE: dict = {}
 
 
 def tensor(i: int, device) -> torch.Tensor:
-    dtype, shape = DTYPES[i % len(DTYPES)], SHAPES[(i // len(DTYPES)) % len(SHAPES)]
-    g = torch.Generator(device="cpu").manual_seed(i)
-    return (torch.randn(shape, generator=g) * 1000).to(dtype).to(device)
+    """The i-th test tensor: one of a few random bases (all dtypes and shapes), stamped with i."""
+    k = i % (len(DTYPES) * len(SHAPES))
+    if (k, str(device)) not in _BASE:
+        dtype, shape = DTYPES[k % len(DTYPES)], SHAPES[k // len(DTYPES)]
+        g = torch.Generator(device="cpu").manual_seed(k)
+        _BASE[k, str(device)] = (torch.randn(shape, generator=g) * 1000).to(dtype).to(device)
+    t = _BASE[k, str(device)].clone()
+    t.view(-1)[0] = i % 101
+    return t
 
 
-def producer(device: str, n: int, outs, report, name: str) -> None:
+def producer(device: str, n: int, outs, report, name: str, go) -> None:
     from services.runtime.transport import Transport
 
     t = Transport(CFG, name, "local")
+    go.wait()  # every consumer is up: none starts late enough to find its slots reclaimed
     cuda = device.startswith("cuda")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=cuda)
     pool = t.cuda_pool(torch.device(device)).table if cuda else t.pool
@@ -47,6 +58,8 @@ def consumer(device: str, inbox, report, name: str) -> None:
     from services.runtime.transport import Transport
 
     t = Transport(CFG, name, "local")
+    torch.zeros(1, device=device)
+    report.send("ready")
     count = bad = 0
     while (item := inbox.recv()) is not None:
         i, data = item
@@ -59,7 +72,8 @@ def consumer(device: str, inbox, report, name: str) -> None:
 def run(producers: list[tuple[str, int]], consumers_per_producer: list[str]) -> list:
     """Producers send refs through pipes to their consumers; every process reports through its own pipe."""
     ctx = mp.get_context("spawn")
-    procs, reports = [], []
+    procs, reports, consumer_reports = [], [], []
+    go = ctx.Event()
 
     def report_pipe():
         r, w = ctx.Pipe(duplex=False)
@@ -68,11 +82,15 @@ def run(producers: list[tuple[str, int]], consumers_per_producer: list[str]) -> 
 
     for p, (pdev, n) in enumerate(producers):
         pipes = [ctx.Pipe(duplex=False) for _ in consumers_per_producer]
-        procs.append(ctx.Process(target=producer, args=(pdev, n, [w for _, w in pipes], report_pipe(), f"prod{p}")))
-        procs += [ctx.Process(target=consumer, args=(cdev, r, report_pipe(), f"cons{p}{c}"))
-                  for c, (cdev, (r, _)) in enumerate(zip(consumers_per_producer, pipes))]
+        procs.append(ctx.Process(target=producer, args=(pdev, n, [w for _, w in pipes], report_pipe(), f"prod{p}", go)))
+        for c, (cdev, (r, _)) in enumerate(zip(consumers_per_producer, pipes)):
+            procs.append(ctx.Process(target=consumer, args=(cdev, r, report_pipe(), f"cons{p}{c}")))
+            consumer_reports.append(reports[-1])
     for proc in procs:
         proc.start()
+    for r in consumer_reports:
+        assert r.poll(300) and r.recv() == "ready"
+    go.set()
     results = []
     for r in reports:
         assert r.poll(300), "a process did not report"
@@ -112,7 +130,7 @@ def test_concurrent_producers_and_consumers():
 def _map_and_die(data: bytes, ready) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "dying", "local")
+    t = Transport(QUICK_RECLAIM, "dying", "local")
     ref = tensor_pb2.TensorRef.FromString(data)
     t._mapped_pool(ref.cuda)  # maps the pool, never reads or releases the slot
     ready.set()
@@ -122,7 +140,7 @@ def _map_and_die(data: bytes, ready) -> None:
 def test_a_killed_consumers_slots_are_reclaimed():
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "killprod", "local")
+    t = Transport(QUICK_RECLAIM, "killprod", "local")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     refs = [t.put(tensor(i, "cuda:0"), placement) for i in range(20)]
     ctx = mp.get_context("spawn")
@@ -133,7 +151,7 @@ def test_a_killed_consumers_slots_are_reclaimed():
     proc.kill()
     proc.join()
     pool = t.cuda_pool(torch.device("cuda:0"))
-    deadline = time.monotonic() + CFG.reclaim_after_s + 5
+    deadline = time.monotonic() + QUICK_RECLAIM.reclaim_after_s + 5
     while pool.table.slots_in_use and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pool.table.slots_in_use == 0
