@@ -9,13 +9,14 @@ in the consumer's hands, message time excluded.
 """
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
+import sys
 import time
 
 import torch
 
+from bench.results import new_result, write
 from omni.stage.v1 import tensor_pb2
 from services.runtime.config import TransportConfig
 
@@ -97,10 +98,9 @@ def main() -> None:
                 print(f"{route:13s} {label:5s} {transport:15s} put {cell['put_us']:9.1f} us  get {cell['get_us']:9.1f} us  "
                       f"ready {cell['ready_us']:9.1f} us  msg {cell['message_us']:8.1f} us  {cell['get_GBps']:7.1f} GB/s  "
                       f"(first get {cell['first_get_us']:.0f} us)", flush=True)
-    result = {"schema": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmark": "transport",
-              "machine": {"gpus": [torch.cuda.get_device_name(i) for i in range(gpus)]}, "cells": cells}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    result = new_result("transport", {"transport": CFG.__dict__}, {}, {"command": "python -m bench.transport " + " ".join(sys.argv[1:])})
+    result["cells"] = cells
+    write(result, args.out)
 
 
 if __name__ == "__main__":
