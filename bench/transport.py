@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.results import new_result, write
+from bench.results import machine, new_result, write
 from omni.stage.v1 import tensor_pb2
 from services.runtime.config import TransportConfig
 
@@ -99,7 +99,7 @@ def main() -> None:
                       f"ready {cell['ready_us']:9.1f} us  msg {cell['message_us']:8.1f} us  {cell['get_GBps']:7.1f} GB/s  "
                       f"(first get {cell['first_get_us']:.0f} us)", flush=True)
     result = new_result("transport", {"transport": CFG.__dict__}, {}, {"command": "python -m bench.transport " + " ".join(sys.argv[1:])})
-    result["cells"] = cells
+    result["machine"], result["cells"] = machine(), cells
     write(result, args.out)
 
 
