@@ -6,7 +6,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import numpy as np
 import pytest
 from PIL import Image
 

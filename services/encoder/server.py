@@ -5,7 +5,7 @@ from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
 from services.runtime.config import MeshConfig
 from services.runtime.metrics import rpc
 from services.runtime.protoconv import DTYPES, timings
-from services.runtime.server import Stage, add_service
+from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 
@@ -41,14 +41,5 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.encoder.replicas[replica]
     engine = ReferenceEncoder(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
-    worker = EngineWorker(engine, "encoder")
-    transport = Transport(cfg.transport, f"encoder{replica}", r.shm_domain)
-    if engine.device.type == "cuda":
-        transport.cuda_pool(engine.device)  # allocate and export the embeddings pool before serving
-    name = add_service(server, EncoderServicer(worker, transport, r.device), encoder_pb2.DESCRIPTOR.services_by_name["Encoder"])
-
-    async def close():
-        worker.stop()
-        transport.close()
-
-    return Stage(services=[name], close=close)
+    return engine_stage(server, "encoder", cfg, replica, engine, lambda w, t: EncoderServicer(w, t, r.device),
+                        encoder_pb2.DESCRIPTOR.services_by_name["Encoder"], exports_gpu_tensors=True)

@@ -112,9 +112,8 @@ class Gateway:
         )
         events: asyncio.Queue = asyncio.Queue()
         talker_inputs: asyncio.Queue | None = asyncio.Queue() if r.want_audio else None
-        start = talker_pb2.TalkerStart(
-            request_id=rid, prompt_ids=prompt.ids, voice=r.voice,
-            sampling=sampling_to_proto(r.talker) if r.talker else None,
+        start = None if talker_ep is None else talker_pb2.TalkerStart(
+            request_id=rid, prompt_ids=prompt.ids, voice=r.voice, sampling=sampling_to_proto(r.talker),
             layout=common_pb2.MediaLayout(
                 image_grid_thw=[x for g3 in prompt.layout.image_grid_thw for x in g3],
                 video_grid_thw=[x for g3 in prompt.layout.video_grid_thw for x in g3],

@@ -9,8 +9,6 @@ from services.llm.mrope import Layout, mrope_positions, tokens_from_config
 from services.model.spec import OmniSpec
 from services.runtime.errors import InvalidArgument
 
-ROLES = ("system", "user", "assistant")
-
 
 @dataclass
 class MediaRef:

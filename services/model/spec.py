@@ -38,14 +38,6 @@ class OmniSpec:
         return "ethan" if "ethan" in self.voices else next(iter(sorted(self.voices)), "")
 
     @property
-    def spatial_merge_size(self) -> int:
-        return self.thinker["vision_config"]["spatial_merge_size"]
-
-    @property
-    def position_id_per_seconds(self) -> int:
-        return self.thinker["position_id_per_seconds"]
-
-    @property
     def n_window(self) -> int:
         return self.thinker["audio_config"]["n_window"]
 
@@ -56,10 +48,6 @@ class OmniSpec:
     @property
     def max_positions(self) -> int:
         return self.thinker["text_config"]["max_position_embeddings"]
-
-    def token(self, name: str) -> int:
-        """A token id by its config name, e.g. 'image_token_id', 'im_start_token_id'."""
-        return self.raw[name] if name in self.raw else self.thinker[name]
 
 
 def audio_tokens(feature_length: int, n_window: int = 50) -> int:

@@ -7,7 +7,7 @@ duration, and every failure says what was wrong with which item.
 import io
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
@@ -30,7 +30,6 @@ class Features:
     grid_thw: tuple[int, int, int] | None = None
     feature_length: int = 0
     second_per_grid: float = 0.0
-    meta: dict = field(default_factory=dict)
 
 
 def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
@@ -158,5 +157,4 @@ class Preprocessor:
         out = self.audio([pcm], sampling_rate=SAMPLE_RATE, padding=True, truncation=False, return_attention_mask=True, return_tensors="np")
         frames = int(out["attention_mask"][0].sum())
         mel = np.ascontiguousarray(out["input_features"][0][:, :frames], dtype=np.float32)
-        return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames,
-                        meta={"seconds": len(pcm) / SAMPLE_RATE})
+        return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames)

@@ -17,7 +17,3 @@ class ResourceExhausted(OmniError):
 
 class FailedPrecondition(OmniError):
     code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class Unavailable(OmniError):
-    code = grpc.StatusCode.UNAVAILABLE

@@ -56,6 +56,27 @@ def add_service(server: grpc.aio.Server, servicer, service) -> str:
     return service.full_name
 
 
+def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: int, engine, make_servicer, service,
+                 exports_gpu_tensors: bool = False) -> Stage:
+    """An engine-backed stage: the engine on its own thread, a transport (with its GPU pool allocated and
+    exported before serving, for stages that hand GPU tensors on), the servicer registered."""
+    from services.runtime.transport import Transport
+    from services.runtime.worker import EngineWorker
+
+    r = cfg.replicas(stage)[replica]
+    worker = EngineWorker(engine, stage)
+    transport = Transport(cfg.transport, f"{stage}{replica}", r.shm_domain)
+    if exports_gpu_tensors and engine.device.type == "cuda":
+        transport.cuda_pool(engine.device)
+    name = add_service(server, make_servicer(worker, transport), service)
+
+    async def close():
+        worker.stop()
+        transport.close()
+
+    return Stage(services=[name], close=close)
+
+
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),

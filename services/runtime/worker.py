@@ -17,10 +17,6 @@ log = logging.getLogger(__name__)
 DONE = object()
 
 
-class Request(Protocol):
-    done: bool
-
-
 class Engine(Protocol):
     def add(self, req) -> None: ...
     def ready(self, req) -> bool: ...
@@ -75,10 +71,6 @@ class EngineWorker:
         with self._cond:
             self._cancelled.add(id(handle))
             self._cond.notify()
-
-    @property
-    def active(self) -> int:
-        return len(self._active)
 
     def stop(self) -> None:
         with self._cond:

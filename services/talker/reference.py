@@ -53,7 +53,6 @@ class TalkerSeq:
     predictor_generator: torch.Generator | None = None
     tts: torch.Tensor | None = None  # [3, D] projected tts bos, eos, pad
     seconds: dict = field(default_factory=lambda: {"talker": 0.0, "code_predictor": 0.0, "code2wav": 0.0})
-    first_chunk_time: float = 0.0
 
 
 @dataclass

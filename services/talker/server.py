@@ -10,7 +10,7 @@ from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import TOKENS, rpc
 from services.runtime.protoconv import DTYPES, layout_from_proto, sampling_from_proto, timings
-from services.runtime.server import Stage, add_service
+from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 from services.talker.reference import ReferenceTalker, TalkerSeq
@@ -88,12 +88,6 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r, tc = cfg.talker.replicas[replica], cfg.talker
     engine = ReferenceTalker(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
                              tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
-    worker = EngineWorker(engine, "talker")
-    transport = Transport(cfg.transport, f"talker{replica}", r.shm_domain)
-    name = add_service(server, TalkerServicer(worker, engine, transport, OmniSpec.load(cfg.model.dir)), talker_pb2.DESCRIPTOR.services_by_name["Talker"])
-
-    async def close():
-        worker.stop()
-        transport.close()
-
-    return Stage(services=[name], close=close)
+    spec = OmniSpec.load(cfg.model.dir)
+    return engine_stage(server, "talker", cfg, replica, engine, lambda w, t: TalkerServicer(w, engine, t, spec),
+                        talker_pb2.DESCRIPTOR.services_by_name["Talker"])

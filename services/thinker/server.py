@@ -7,7 +7,7 @@ from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import TOKENS, rpc
 from services.runtime.protoconv import DTYPES, sampling_from_proto, timings
-from services.runtime.server import Stage, add_service
+from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 from services.thinker.reference import ReferenceThinker, Span, ThinkerSeq
@@ -67,14 +67,5 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.thinker.replicas[replica]
     engine = ReferenceThinker(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
-    worker = EngineWorker(engine, "thinker")
-    transport = Transport(cfg.transport, f"thinker{replica}", r.shm_domain)
-    if engine.device.type == "cuda":
-        transport.cuda_pool(engine.device)  # allocate and export the states pool before serving
-    name = add_service(server, ThinkerServicer(worker, transport, r.device), thinker_pb2.DESCRIPTOR.services_by_name["Thinker"])
-
-    async def close():
-        worker.stop()
-        transport.close()
-
-    return Stage(services=[name], close=close)
+    return engine_stage(server, "thinker", cfg, replica, engine, lambda w, t: ThinkerServicer(w, t, r.device),
+                        thinker_pb2.DESCRIPTOR.services_by_name["Thinker"], exports_gpu_tensors=True)
