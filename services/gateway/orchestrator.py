@@ -50,6 +50,7 @@ def wav_bytes(pcm16: bytes, rate: int = SAMPLE_RATE) -> bytes:
 class Progress:
     """What one request has produced so far, for its final Usage."""
     t0: float
+    timeout: float | None = None  # the client's deadline, from t0
     completion_tokens: int = 0
     audio_samples: int = 0
     audio_frames: int = 0
@@ -57,6 +58,10 @@ class Progress:
     first_audio: float = 0.0
     reason: int = omni_pb2.FINISH_REASON_UNSPECIFIED
     timings: dict = field(default_factory=dict)
+
+    def left(self) -> float | None:
+        """Seconds to the client's deadline, for every call made on the request's behalf."""
+        return None if self.timeout is None else max(0.0, self.t0 + self.timeout - time.perf_counter())
 
     def add_timings(self, items) -> None:
         for t in items:
@@ -96,15 +101,13 @@ class Gateway:
         )
 
     async def generate(self, req: omni_pb2.GenerateRequest, timeout: float | None):
-        progress = Progress(time.perf_counter())
+        progress = Progress(time.perf_counter(), timeout)
         g = self.cfg.gateway
         r = resolve(req, self.spec, self.cfg.limits, g.thinker, g.talker, self.talkers is not None, self.prompts.check_text)
         rid = req.request_id or uuid.uuid4().hex
         thinker_ep = self.thinkers.pick()
         talker_ep = self.talkers.pick() if r.want_audio else None
-        spans, prompt = await self._prompt(rid, r, thinker_ep, progress, timeout)
-        if len(prompt.ids) + r.thinker.max_tokens > self.max_context:
-            raise InvalidArgument(f"prompt of {len(prompt.ids)} tokens + max_tokens {r.thinker.max_tokens} is past the context of {self.max_context}")
+        spans, prompt = await self._prompt(rid, r, thinker_ep, progress)
         treq = thinker_pb2.ThinkerRequest(
             request_id=rid, prompt_ids=prompt.ids, positions=prompt.positions.reshape(-1).tolist(), rope_delta=prompt.rope_delta,
             spans=spans, sampling=sampling_to_proto(r.thinker), return_states=r.want_audio, placement=_placement(talker_ep),
@@ -120,9 +123,9 @@ class Gateway:
                 video_second_per_grid=prompt.layout.video_second_per_grid, audio_feature_lengths=prompt.audio_feature_lengths,
             ),
         )
-        tasks = [asyncio.create_task(self._guard(events, self._thinker(treq, thinker_ep, r, start, talker_inputs, events, progress, timeout)))]
+        tasks = [asyncio.create_task(self._guard(events, self._thinker(treq, thinker_ep, r, start, talker_inputs, events, progress)))]
         if talker_ep is not None:
-            tasks.append(asyncio.create_task(self._guard(events, self._talker(talker_ep, talker_inputs, r, events, progress, timeout))))
+            tasks.append(asyncio.create_task(self._guard(events, self._talker(talker_ep, talker_inputs, r, events, progress))))
         running = len(tasks)
         try:
             while running:
@@ -145,22 +148,28 @@ class Gateway:
         )
         yield omni_pb2.GenerateResponse(request_id=rid, finished=omni_pb2.Finished(reason=progress.reason, usage=usage))
 
-    async def _prompt(self, rid: str, r: Resolved, thinker_ep: Endpoint, progress: Progress, timeout: float | None):
-        """Preprocess and encode the media, then lay out the prompt around them."""
+    def _build_prompt(self, r: Resolved, media: list[MediaRef]):
+        prompt = self.prompts.build(r.messages, media)
+        if len(prompt.ids) + r.thinker.max_tokens > self.max_context:
+            raise InvalidArgument(f"prompt of {len(prompt.ids)} tokens + max_tokens {r.thinker.max_tokens} is past the context of {self.max_context}")
+        return prompt
+
+    async def _prompt(self, rid: str, r: Resolved, thinker_ep: Endpoint, progress: Progress):
+        """Preprocess the media, lay out the prompt around them (refused here if too long), then encode."""
         if not r.media:
-            return [], self.prompts.build(r.messages, [])
+            return [], self._build_prompt(r, [])
         encoder_ep = self.encoders.pick("audio" if r.want_audio else "text")
         pre_ep = self.preprocess.pick()
         items = [preprocess_pb2.MediaItem(**{type(m).__name__.lower(): m}) for m in r.media]
         with self.preprocess.use(pre_ep):
             pre = await pre_ep.stub.Process(
-                preprocess_pb2.PreprocessRequest(request_id=rid, items=items, placement=_placement(encoder_ep)), timeout=timeout)
+                preprocess_pb2.PreprocessRequest(request_id=rid, items=items, placement=_placement(encoder_ep)), timeout=progress.left())
         progress.add_timings(pre.timings)
         media = [MediaRef(MEDIA_KINDS[f.kind], f.num_tokens, tuple(f.grid_thw) or None, f.feature_length, f.second_per_grid) for f in pre.items]
-        prompt = self.prompts.build(r.messages, media)
+        prompt = self._build_prompt(r, media)
         with self.encoders.use(encoder_ep):
             enc = await encoder_ep.stub.Encode(
-                encoder_pb2.EncodeRequest(request_id=rid, items=pre.items, placement=_placement(thinker_ep)), timeout=timeout)
+                encoder_pb2.EncodeRequest(request_id=rid, items=pre.items, placement=_placement(thinker_ep)), timeout=progress.left())
         progress.add_timings(enc.timings)
         spans = [thinker_pb2.MultimodalSpan(offset=o, embeds=e.embeds, deepstack=e.deepstack) for o, e in zip(prompt.offsets, enc.items)]
         return spans, prompt
@@ -176,10 +185,10 @@ class Gateway:
         finally:
             events.put_nowait(("done", None))
 
-    async def _thinker(self, treq, ep: Endpoint, r: Resolved, start, talker_inputs, events, progress: Progress, timeout):
+    async def _thinker(self, treq, ep: Endpoint, r: Resolved, start, talker_inputs, events, progress: Progress):
         detok = Detokenizer(self.prompts.tokenizer, r.stop)
         with self.thinkers.use(ep):
-            call = ep.stub.Generate(treq, timeout=timeout)
+            call = ep.stub.Generate(treq, timeout=progress.left())
             try:
                 async for out in call:
                     if talker_inputs is not None:
@@ -207,7 +216,7 @@ class Gateway:
                 if talker_inputs is not None:
                     talker_inputs.put_nowait(talker_pb2.TalkerInput(end=talker_pb2.TextEnd()))
 
-    async def _talker(self, ep: Endpoint, inputs: asyncio.Queue, r: Resolved, events, progress: Progress, timeout):
+    async def _talker(self, ep: Endpoint, inputs: asyncio.Queue, r: Resolved, events, progress: Progress):
         async def requests():
             while True:
                 msg = await inputs.get()
@@ -217,7 +226,7 @@ class Gateway:
 
         wav_parts, index = [], 0
         with self.talkers.use(ep):
-            async for out in ep.stub.Synthesize(requests(), timeout=timeout):
+            async for out in ep.stub.Synthesize(requests(), timeout=progress.left()):
                 if out.HasField("finished"):
                     progress.audio_frames = out.finished.frames
                     progress.add_timings(out.finished.timings)
