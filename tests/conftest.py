@@ -63,7 +63,7 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, talker: bool = 
         "limits": {"max_request_bytes": 4 << 20, "max_media_items": 4, "max_image_pixels": 1 << 20,
                    "max_audio_seconds": 20, "max_video_frames": 8, "max_new_tokens": 256, "max_talker_frames": 256,
                    "max_context_tokens": 512},
-        "transport": {"pool_bytes": 64 << 20, "reclaim_after_s": 3.0},
+        "transport": {"pool_bytes": 64 << 20, "reclaim_after_s": 10.0},
         "gateway": {"replicas": replicas(1)},
         "preprocess": {"replicas": replicas(1)},
         "encoder": {"replicas": enc},
@@ -76,13 +76,34 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, talker: bool = 
     return path
 
 
-@pytest.fixture(scope="session")
-def mesh(tiny_model, tmp_path_factory):
+def _running_mesh(tmp, model, **overrides):
     from services.launch import Mesh
 
-    tmp = tmp_path_factory.mktemp("mesh")
-    m = Mesh(write_config(tmp / "mesh.yaml", tiny_model), log_dir=tmp / "logs")
+    m = Mesh(write_config(tmp / "mesh.yaml", model, **overrides), log_dir=tmp / "logs")
     m.start(timeout=180)
+    return m
+
+
+@pytest.fixture(scope="session")
+def mesh(tiny_model, tmp_path_factory):
+    """The mesh with the reference engines."""
+    m = _running_mesh(tmp_path_factory.mktemp("mesh"), tiny_model)
     yield m
     codes = m.stop()
     assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"
+
+
+@pytest.fixture(scope="session")
+def native_mesh(tiny_model, tmp_path_factory):
+    """The mesh with the native thinker engine (small blocks and budget, so requests share steps and chunk)."""
+    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker={"engine": "native", "block_size": 8,
+                                                                            "max_batched_tokens": 64, "kv_blocks": 256})
+    yield m
+    codes = m.stop()
+    assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"
+
+
+@pytest.fixture(params=["reference", "native"])
+def any_mesh(request):
+    """Each equivalence test runs against both thinker engines."""
+    return request.getfixturevalue("mesh" if request.param == "reference" else "native_mesh")

@@ -163,3 +163,38 @@ class Reference:
             self.hf.code2wav.chunked_decode = decode
         codes = captured["codes"][0].T.tolist() if "codes" in captured else []
         return seqs[0, n:].tolist(), codes, waveform.reshape(-1).float().numpy()
+
+
+def thinker_seq(reference: Reference, case: Case, max_tokens: int, return_states: bool = False):
+    """The thinker request the mesh would send for `case`: prompt, M-RoPE positions, and embeddings
+    from transformers' own towers at the placeholder runs."""
+    from services.llm.mrope import Layout, mrope_positions, tokens_from_config
+    from services.llm.sampling import SamplingParams
+    from services.model.spec import audio_tokens
+    from services.thinker.reference import Span, ThinkerSeq
+
+    kw = reference.inputs(case)
+    ids, th, spec = kw["input_ids"][0], reference.hf.thinker, reference.spec
+
+    def runs(token: int) -> list[int]:
+        return [i for i in range(len(ids)) if ids[i] == token and (i == 0 or ids[i - 1] != token)]
+
+    spans, audio_lens = [], []
+    with torch.no_grad():
+        if "pixel_values" in kw:
+            v = th.get_image_features(kw["pixel_values"], kw["image_grid_thw"])
+            row = 0
+            for offset, e in zip(runs(spec.thinker["image_token_id"]), v.pooler_output):
+                spans.append(Span(offset, e, [d[row:row + len(e)] for d in v.deepstack_features]))
+                row += len(e)
+        if "input_features" in kw:
+            a = th.get_audio_features(kw["input_features"], kw["feature_attention_mask"]).last_hidden_state
+            audio_lens = [audio_tokens(int(n)) for n in kw["feature_attention_mask"].sum(-1)]
+            row = 0
+            for offset, n in zip(runs(spec.thinker["audio_token_id"]), audio_lens):
+                spans.append(Span(offset, a[row:row + n]))
+                row += n
+    layout = Layout(image_grid_thw=[tuple(g.tolist()) for g in kw.get("image_grid_thw", [])], audio_tokens=audio_lens)
+    positions, delta = mrope_positions(ids.tolist(), layout, tokens_from_config(spec.thinker))
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(spec.raw["im_end_token_id"],))
+    return ThinkerSeq("r", ids, params, torch.from_numpy(positions), delta, spans, return_states=return_states)

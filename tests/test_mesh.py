@@ -49,7 +49,8 @@ def check_waveform(result, ref_wave: np.ndarray, atol: float = WAVE_ATOL) -> Non
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_path_matches_transformers(mesh, reference, path):
+def test_path_matches_transformers(any_mesh, reference, path):
+    mesh = any_mesh
     case_name, speech = PATHS[path]
     case = CASES[case_name]
     ids, codes, wave = reference.generate(case, max_tokens=10, speech=speech, frames=14)
@@ -106,7 +107,8 @@ def test_wav_output_and_voices(mesh):
         assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2) and w.getnframes() > 0
 
 
-def test_concurrent_mixed_requests(mesh, reference):
+def test_concurrent_mixed_requests(any_mesh, reference):
+    mesh = any_mesh
     jobs = [(name, *PATHS[name]) for name in ["t2t", "i2s", "s2t", "t2s", "i2t", "s2s", "mixed2s", "v2t"] * 2]
     expected = {name: reference.generate(CASES[case], max_tokens=8, speech=speech, frames=10) for name, case, speech in jobs}
     with ThreadPoolExecutor(len(jobs)) as pool:

@@ -132,8 +132,13 @@ def load_component(
     load_format: str = "auto", seed: int = 0,
 ) -> nn.Module:
     """A component ready to run: from the checkpoint folder, or seeded random weights (`load_format="random"`)."""
-    config = load_config(model_dir)
-    module = build_component(name, config, device, dtype)
+    module = build_component(name, load_config(model_dir), device, dtype)
+    return load_weights_(module, name, model_dir, dtype, load_format, seed)
+
+
+def load_weights_(module: nn.Module, name: str, model_dir: str | Path | None, dtype: torch.dtype = torch.float32,
+                  load_format: str = "auto", seed: int = 0) -> nn.Module:
+    """Fills any module whose parameters are named like component `name`'s (ours or transformers')."""
     if load_format == "random":
         init_weights_(module, component_seed(seed, name), conv_gain=0.6 if name == "code2wav" else 1.0)
         return module

@@ -112,7 +112,15 @@ class EncoderConfig:
 @dataclass
 class ThinkerConfig:
     replicas: list[Replica] = field(default_factory=list)
-    engine: Literal["reference"] = "reference"
+    # reference: transformers' modules, one request per forward; native: paged KV and continuous batching.
+    engine: Literal["reference", "native"] = "reference"
+    # native engine: KV cache blocks of block_size tokens (0 blocks: as many as the device has room for),
+    # at most max_batched_tokens tokens and max_seqs sequences per step, experts by loop or grouped GEMM.
+    block_size: int = 16
+    kv_blocks: int = 0
+    max_batched_tokens: int = 2048
+    max_seqs: int = 256
+    moe: Literal["loop", "grouped"] = "loop"
 
 
 @dataclass

@@ -58,6 +58,30 @@ class ThinkerStep:
     stop_reason: str = ""
 
 
+def validate(seq: ThinkerSeq, vocab: int, hidden: int, has_states: bool) -> None:
+    n = len(seq.prompt_ids)
+    if n == 0:
+        raise InvalidArgument("empty prompt")
+    if int(seq.prompt_ids.max()) >= vocab or int(seq.prompt_ids.min()) < 0:
+        raise InvalidArgument(f"prompt token ids must lie in [0, {vocab})")
+    if seq.positions is not None and tuple(seq.positions.shape) != (3, n):
+        raise InvalidArgument(f"positions must be 3 x {n}, got {tuple(seq.positions.shape)}")
+    if seq.return_states and not has_states:
+        raise InvalidArgument("this checkpoint has no talker: states cannot be returned")
+    for span in seq.spans:
+        rows, width = span.embeds.shape
+        if span.offset < 0 or span.offset + rows > n or width != hidden or any(d.shape != span.embeds.shape for d in span.deepstack):
+            raise InvalidArgument(f"multimodal span at {span.offset} of shape {tuple(span.embeds.shape)} does not fit a prompt of {n} x {hidden}")
+
+
+def stop_reason(seq: ThinkerSeq) -> str:
+    """'eos' or 'length' once the last token ends the sequence, else ''."""
+    p = seq.params
+    if seq.generated[-1] in p.stop_token_ids and not p.ignore_eos and len(seq.generated) >= p.min_tokens:
+        return "eos"
+    return "length" if len(seq.generated) >= p.max_tokens else ""
+
+
 class ReferenceThinker:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto", seed: int = 0):
         self.device, self.dtype = torch.device(device), dtype
@@ -72,19 +96,7 @@ class ReferenceThinker:
         return self.lm.model.embed_tokens
 
     def add(self, seq: ThinkerSeq) -> None:
-        n = len(seq.prompt_ids)
-        if n == 0:
-            raise InvalidArgument("empty prompt")
-        if int(seq.prompt_ids.max()) >= self.vocab or int(seq.prompt_ids.min()) < 0:
-            raise InvalidArgument(f"prompt token ids must lie in [0, {self.vocab})")
-        if seq.positions is not None and tuple(seq.positions.shape) != (3, n):
-            raise InvalidArgument(f"positions must be 3 x {n}, got {tuple(seq.positions.shape)}")
-        if seq.return_states and self.accept_layer is None:
-            raise InvalidArgument("this checkpoint has no talker: states cannot be returned")
-        for span in seq.spans:
-            rows, width = span.embeds.shape
-            if span.offset < 0 or span.offset + rows > n or width != self.hidden_size:
-                raise InvalidArgument(f"multimodal span at {span.offset} of shape {tuple(span.embeds.shape)} does not fit a prompt of {n} x {self.hidden_size}")
+        validate(seq, self.vocab, self.hidden_size, self.accept_layer is not None)
         seq.generator = seq.params.generator(self.device)
 
     def ready(self, seq: ThinkerSeq) -> bool:
@@ -148,11 +160,8 @@ class ReferenceThinker:
             result.hidden = out.hidden_states[self.accept_layer][0]
         if prefill and seq.embed_token_ids:
             result.token_embeds = self.embed(torch.tensor(seq.embed_token_ids, device=self.device))
-        if token in p.stop_token_ids and not p.ignore_eos and len(seq.generated) >= p.min_tokens:
-            seq.done, seq.stop_reason = True, "eos"
-        elif len(seq.generated) >= p.max_tokens:
-            seq.done, seq.stop_reason = True, "length"
-        result.stop_reason = seq.stop_reason
+        seq.stop_reason = result.stop_reason = stop_reason(seq)
+        seq.done = bool(seq.stop_reason)
         elapsed = time.perf_counter() - t0
         if prefill:
             seq.prefill_seconds += elapsed

@@ -10,6 +10,7 @@ from services.runtime.protoconv import DTYPES, sampling_from_proto, timings
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
+from services.thinker.engine import NativeThinker
 from services.thinker.reference import ReferenceThinker, Span, ThinkerSeq
 
 STOP_REASONS = {"eos": thinker_pb2.STOP_REASON_EOS, "length": thinker_pb2.STOP_REASON_LENGTH}
@@ -65,7 +66,12 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
 
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
-    r = cfg.thinker.replicas[replica]
-    engine = ReferenceThinker(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+    r, tc = cfg.thinker.replicas[replica], cfg.thinker
+    args = (cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+    if tc.engine == "native":
+        engine = NativeThinker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
+                               max_seqs=tc.max_seqs, moe=tc.moe)
+    else:
+        engine = ReferenceThinker(*args)
     return engine_stage(server, "thinker", cfg, replica, engine, lambda w, t: ThinkerServicer(w, t, r.device),
                         thinker_pb2.DESCRIPTOR.services_by_name["Thinker"], exports_gpu_tensors=True)

@@ -1,0 +1,62 @@
+"""Attention over the paged KV cache for a step that mixes prefill chunks and decode tokens.
+
+`TorchAttention` is the reference backend (any device): it writes the step's keys and values into their
+slots, then attends each sequence over its own pages with PyTorch's SDPA, as transformers does.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.llm.kv_cache import KVCache
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: rows [start, start + n) of the step attend to its first `cached + n` keys."""
+    block_table: list[int]
+    cached: int
+    n: int
+
+
+class TorchAttention:
+    def __init__(self, cache: KVCache, scale: float):
+        self.cache, self.scale = cache, scale
+        self.slices: list[SeqSlice] = []
+        self.slot_mapping = None
+
+    def plan(self, slices: list[SeqSlice]) -> "TorchAttention":
+        bs = self.cache.block_size
+        slots = []
+        for s in slices:
+            pos = torch.arange(s.cached, s.cached + s.n)
+            table = torch.tensor(s.block_table, dtype=torch.long)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        self.slices = slices
+        self.slot_mapping = torch.cat(slots).to(self.cache.k.device)
+        return self
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, H, D], k and v [N, Hkv, D] -> [N, H, D]."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
+        flat_k[self.slot_mapping] = k
+        flat_v[self.slot_mapping] = v
+        out, row = torch.empty_like(q), 0
+        groups = q.shape[1] // k.shape[1]
+        for s in self.slices:
+            total = s.cached + s.n
+            blocks = torch.tensor(s.block_table[: -(-total // self.cache.block_size)], device=kc.device)
+            keys = kc[blocks].reshape(-1, *kc.shape[2:])[:total].repeat_interleave(groups, dim=1)  # [T, H, D]
+            values = vc[blocks].reshape(-1, *vc.shape[2:])[:total].repeat_interleave(groups, dim=1)
+            qs = q[row:row + s.n].transpose(0, 1)[None]  # [1, H, n, D]
+            if s.n == 1 or s.cached == 0:  # decode, or a whole prompt: the masks transformers would use
+                mask, causal = None, s.n > 1
+            else:
+                mask, causal = torch.ones(s.n, total, dtype=torch.bool, device=q.device).tril(s.cached), False
+            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                               attn_mask=mask, is_causal=causal, scale=self.scale)
+            out[row:row + s.n] = o[0].transpose(0, 1)
+            row += s.n
+        return out

@@ -1,0 +1,42 @@
+"""The thinker's language model on the shared layers: embeddings (multimodal rows replaced by the caller),
+48 QK-norm attention + MoE layers with DeepStack visual states added after the first ones, final norm,
+lm_head. Names follow the checkpoint (`model.*`, `lm_head`), so the component loader fills it."""
+
+import torch
+from torch import nn
+
+from services.llm.layers import DecoderLayer, MRope, RMSNorm
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        rope = cfg.rope_parameters
+        self.rope = MRope(cfg.head_dim, rope["rope_theta"], rope["mrope_section"])
+
+
+class ThinkerModel(nn.Module):
+    def __init__(self, thinker_config):
+        super().__init__()
+        cfg = thinker_config.text_config
+        self.model = TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, deepstack_rows: torch.Tensor | None = None,
+                deepstack: list[torch.Tensor] | None = None, capture_layer: int | None = None):
+        """embeds [N, H], positions [3, N]; DeepStack values [M, H] per level for rows `deepstack_rows` [M].
+        Returns the normed hidden states [N, H] and, with `capture_layer`, the output of that layer [N, H]
+        (before DeepStack is added, as transformers records it)."""
+        cos, sin = self.model.rope(positions, embeds.dtype)
+        x, captured = embeds, None
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin)
+            if capture_layer == i + 1:
+                captured = x
+            if deepstack is not None and i < len(deepstack):
+                x = x.index_add(0, deepstack_rows, deepstack[i].to(x.dtype))
+        out = self.model.norm(x)
+        return out, (out if capture_layer == len(self.model.layers) else captured)

@@ -1,0 +1,126 @@
+"""The native thinker engine against transformers: greedy tokens, logits and the talker's states, with
+requests arriving at different steps, prompts in chunks, and sequences preempted and recomputed."""
+
+import pytest
+import torch
+
+from references import Case, Reference, png, thinker_seq, wav
+from services.runtime.errors import ResourceExhausted
+from services.thinker.engine import NativeThinker
+
+CASES = {
+    "text": Case([("user", [("text", "Tell me a story about a cat.")])]),
+    "image": Case([("user", [("image", png(1)), ("text", "What is in this picture?")])]),
+    "audio": Case([("user", [("audio", wav(2, 1.5)), ("text", "What do you hear?")])]),
+    "mixed": Case([("system", [("text", "terse")]),
+                   ("user", [("image", png(3, 96, 64)), ("audio", wav(4)), ("text", "compare"), ("image", png(5))])]),
+}
+ENGINES = {
+    "one step per prompt": {},
+    "chunked prefill": {"max_batched_tokens": 7},
+    "preemption": {"kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
+    "grouped experts": {"moe": "grouped"},
+}
+N = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, hf_model):
+    return Reference(tiny_model, hf_model)
+
+
+@pytest.fixture(scope="module")
+def expected(reference):
+    return {name: reference.generate(case, N)[0] for name, case in CASES.items()}
+
+
+def run_staggered(engine, seqs: list) -> list:
+    """One more request arrives at every step; finished ones are freed as the server would."""
+    pending, active, outputs = list(seqs), [], {id(s): [] for s in seqs}
+    while pending or any(not s.done for s in active):
+        if pending:
+            active.append(pending.pop(0))
+            engine.add(active[-1])
+        for seq, out in engine.step([s for s in active if not s.done]):
+            outputs[id(seq)].append(out)
+        for s in active:
+            if s.done and id(s) in engine.states:
+                engine.free(s)
+    return [outputs[id(s)] for s in seqs]
+
+
+@pytest.mark.parametrize("setup", list(ENGINES))
+def test_greedy_tokens_equal_transformers(tiny_model, reference, expected, setup):
+    engine = NativeThinker(tiny_model, **ENGINES[setup])
+    seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
+    run_staggered(engine, seqs)
+    for name, seq in zip(CASES, seqs):
+        assert seq.generated == expected[name], name
+    if setup == "preemption":
+        assert engine.scheduler.preemptions > 0
+    assert engine.scheduler.allocator.used == 0 and not engine.states
+
+
+@pytest.mark.parametrize("setup", ["one step per prompt", "preemption"])
+def test_states_for_the_talker_equal_transformers_hidden_states(tiny_model, reference, setup):
+    """Input embeddings and the accept layer's output, each position once and in order."""
+    engine = NativeThinker(tiny_model, **ENGINES[setup])
+    accept = reference.spec.talker["accept_hidden_layer"]
+    seqs = [thinker_seq(reference, case, N, return_states=True) for case in CASES.values()]
+    for (name, case), seq, outs in zip(CASES.items(), seqs, run_staggered(engine, seqs)):
+        kw = reference.inputs(case)
+        with torch.no_grad():
+            ref = reference.hf.thinker.generate(**kw, max_new_tokens=N, do_sample=False, output_hidden_states=True,
+                                                return_dict_in_generate=True, eos_token_id=reference.spec.raw["im_end_token_id"])
+        ref_embeds = torch.cat([h[0][0] for h in ref.hidden_states])
+        ref_hidden = torch.cat([h[accept][0] for h in ref.hidden_states])
+        starts = [o.state_start for o in outs if o.embeds is not None]
+        embeds = torch.cat([o.embeds for o in outs if o.embeds is not None])
+        hidden = torch.cat([o.hidden for o in outs if o.hidden is not None])
+        assert starts[0] == 0 and all(b > a for a, b in zip(starts, starts[1:])), name
+        assert embeds.shape == ref_embeds.shape, name
+        torch.testing.assert_close(embeds, ref_embeds, rtol=0, atol=1e-6)
+        torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_logits_match_transformers(tiny_model, reference):
+    engine = NativeThinker(tiny_model)
+    for case in CASES.values():
+        seq = thinker_seq(reference, case, 1)
+        kw = reference.inputs(case)
+        with torch.no_grad():
+            ref = reference.hf.thinker(**kw).logits[0, -1]
+        engine.add(seq)
+        captured = {}
+        head = engine.model.lm_head
+        hook = head.register_forward_hook(lambda m, a, out: captured.setdefault("logits", out[-1]))
+        engine.step([seq])
+        hook.remove()
+        engine.free(seq)
+        torch.testing.assert_close(captured["logits"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_cancel_frees_blocks_and_the_rest_continue(tiny_model, reference, expected):
+    engine = NativeThinker(tiny_model, kv_blocks=64, block_size=4)
+    seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
+    for s in seqs:
+        engine.add(s)
+    for _ in range(3):
+        engine.step(seqs)
+    used = engine.scheduler.allocator.used
+    engine.free(seqs[1])  # the client went away
+    assert engine.scheduler.allocator.used < used
+    rest = [s for i, s in enumerate(seqs) if i != 1]
+    while any(not s.done for s in rest):
+        engine.step(rest)
+    for name, s in zip(CASES, seqs):
+        if s is not seqs[1]:
+            assert s.generated == expected[name]
+            engine.free(s)
+    assert engine.scheduler.allocator.used == 0
+
+
+def test_a_request_larger_than_the_cache_is_refused(tiny_model, reference):
+    engine = NativeThinker(tiny_model, kv_blocks=4, block_size=4)
+    with pytest.raises(ResourceExhausted, match="more than the KV cache holds"):
+        engine.add(thinker_seq(reference, CASES["text"], 8))
