@@ -93,7 +93,7 @@ def test_prefill_logits_match_transformers(tiny_model, reference):
         engine.add(seq)
         captured = {}
         head = engine.model.lm_head
-        hook = head.register_forward_hook(lambda m, a, out: captured.setdefault("logits", out[-1]))
+        hook = head.register_forward_hook(lambda m, a, out: captured.update(logits=out[-1]))
         engine.step([seq])
         hook.remove()
         engine.free(seq)

@@ -64,3 +64,40 @@ def sample_next(
         logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 seen: list[torch.Tensor | None] | None = None, generated: list[int] | None = None) -> torch.Tensor:
+    """One token per row of `logits` [B, V], with tensor ops over the batch: rows loop in Python only where a
+    request asks for something per row (a seed, a repetition penalty, a minimum length)."""
+    logits = logits.float().clone()
+    b, vocab = logits.shape
+    dev = logits.device
+    for i, p in enumerate(params):
+        if seen is not None and seen[i] is not None and p.repetition_penalty != 1.0:
+            logits[i] = apply_repetition_penalty(logits[i], seen[i], p.repetition_penalty)
+        if generated is not None and generated[i] < p.min_tokens and p.stop_token_ids:
+            logits[i, list(p.stop_token_ids)] = float("-inf")
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    out = logits.argmax(-1)
+    rows = (temps > 0).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return out
+    picked = [params[i] for i in rows.tolist()]
+    scaled, order = (logits[rows] / temps[rows, None]).sort(-1, descending=True)  # [S, V], best first
+    rank = torch.arange(vocab, device=dev)
+    top_k = torch.tensor([p.top_k or vocab for p in picked], device=dev)
+    scaled = scaled.masked_fill(rank >= top_k[:, None], float("-inf"))
+    probs = scaled.softmax(-1)
+    top_p = torch.tensor([p.top_p for p in picked], device=dev)
+    probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # the smallest head holding top_p
+    noise = torch.empty_like(probs)
+    shared = [j for j, i in enumerate(rows.tolist()) if generators[i] is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), vocab, device=dev).exponential_()
+    for j, i in enumerate(rows.tolist()):
+        if generators[i] is not None:
+            noise[j] = torch.empty(vocab, device=dev).exponential_(generator=generators[i])
+    choice = (probs / noise).argmax(-1)  # the exponential race: a draw from `probs`
+    out[rows] = order.gather(-1, choice[:, None])[:, 0]
+    return out

@@ -9,7 +9,7 @@ import torch
 from services.llm.attention import SeqSlice, TorchAttention
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
-from services.llm.sampling import sample_next
+from services.llm.sampling import sample_batch
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.model.spec import OmniSpec
@@ -134,8 +134,15 @@ class NativeThinker:
             row += w.n
             if w.start + w.n == len(w.seq.tokens):  # caught up with its tokens: choose the next one
                 ends.append((w, row - 1))
-        logits = self.model.lm_head(hidden[[r for _, r in ends]]) if ends else None
-        sampled = {id(w): i for i, (w, _) in enumerate(ends)}
+        sampled = {}
+        if ends:
+            logits = self.model.lm_head(hidden[[r for _, r in ends]])
+            owners = [w.seq.owner for w, _ in ends]
+            seen = [torch.tensor(w.seq.tokens, device=self.device) if s.params.repetition_penalty != 1.0 else None
+                    for (w, _), s in zip(ends, owners)]
+            tokens = sample_batch(logits, [s.params for s in owners], [s.generator for s in owners], seen,
+                                  [len(s.generated) for s in owners]).tolist()
+            sampled = {id(w): t for (w, _), t in zip(ends, tokens)}
         out, row = [], 0
         for w in work:
             seq: ThinkerSeq = w.seq.owner
@@ -148,7 +155,7 @@ class NativeThinker:
             if seq.embed_token_ids and not seq.generated and w.start == 0:
                 step.token_embeds = self.model.model.embed_tokens(torch.tensor(seq.embed_token_ids, device=self.device))
             if id(w) in sampled:
-                token = self._sample(seq, logits[sampled[id(w)]])
+                token = sampled[id(w)]
                 w.seq.tokens.append(token)
                 seq.generated.append(token)
                 step.token_ids = [token]
@@ -158,9 +165,3 @@ class NativeThinker:
             if step.token_ids or step.embeds is not None or step.token_embeds is not None:
                 out.append((seq, step))
         return out
-
-    def _sample(self, seq: ThinkerSeq, logits: torch.Tensor) -> int:
-        history = None
-        if seq.params.repetition_penalty != 1.0:
-            history = torch.tensor(seq.prompt_ids.tolist() + seq.generated, device=self.device)
-        return sample_next(logits, seq.params, len(seq.generated), history, None, seq.generator)
