@@ -100,7 +100,8 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
 def talker_cells(cfg: MeshConfig, device: str, args):
     from transformers import AutoTokenizer
 
-    from services.talker.reference import ReferenceTalker, TalkerSeq
+    from services.talker.reference import ReferenceTalker
+    from services.talker.speech import TalkerSeq
 
     tc = cfg.talker
     engine = ReferenceTalker(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,

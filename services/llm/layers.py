@@ -81,14 +81,29 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
 
 
-class SparseMoE(nn.Module):
-    """Top-k of E experts per token, the chosen weights renormalised when `norm_topk`."""
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def __init__(self, hidden: int, experts: int, intermediate: int, top_k: int, norm_topk: bool):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k of E experts per token, the chosen weights renormalised when `norm_topk`; optionally a shared
+    expert every token goes through, scaled by a sigmoid gate (the talker's)."""
+
+    def __init__(self, hidden: int, experts: int, intermediate: int, top_k: int, norm_topk: bool, shared: int = 0):
         super().__init__()
         self.gate = Router(hidden, experts)
         self.experts = Experts(hidden, experts, intermediate)
         self.top_k, self.norm_topk = top_k, norm_topk
+        if shared:
+            self.shared_expert = MLP(hidden, shared)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)  # [N, E]
@@ -96,17 +111,25 @@ class SparseMoE(nn.Module):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        return moe_experts(x, ids, weights.to(logits.dtype), self.experts.gate_up_proj, self.experts.down_proj,
-                           get_context().moe_backend)
+        out = moe_experts(x, ids, weights.to(logits.dtype), self.experts.gate_up_proj, self.experts.down_proj,
+                          get_context().moe_backend)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention then MLP: a sparse MoE when the config has experts, a dense MLP otherwise."""
+
     def __init__(self, cfg, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    cfg.rms_norm_eps, layer)
-        self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-                             cfg.norm_topk_prob)
+        if getattr(cfg, "num_experts", 0):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                                 cfg.norm_topk_prob, getattr(cfg, "shared_expert_intermediate_size", 0))
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -13,7 +13,8 @@ from services.runtime.protoconv import DTYPES, layout_from_proto, sampling_from_
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
-from services.talker.reference import ReferenceTalker, TalkerSeq
+from services.talker.reference import ReferenceTalker
+from services.talker.speech import TalkerSeq
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):

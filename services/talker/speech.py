@@ -1,0 +1,191 @@
+"""What every talker engine shares: the request, how its prompt is built from the thinker's states, the
+text each frame adds, and chunked code2wav. Engines differ in how they run the talker and code predictor."""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from services.llm.mrope import Layout, mrope_positions, tokens_from_config
+from services.llm.sampling import SamplingParams
+from services.model.load import load_component
+from services.model.spec import OmniSpec
+from services.runtime.errors import InvalidArgument
+
+# The code predictor's own sampling in transformers (fixed there, whatever the talker's settings).
+PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+
+@dataclass
+class TalkerSeq:
+    request_id: str
+    prompt_ids: torch.Tensor  # [L] the thinker's prompt
+    layout: Layout
+    speaker_id: int
+    params: SamplingParams  # max_tokens counts frames
+    tts_embeds: torch.Tensor  # [3, H_thinker]: thinker input embeddings of tts bos, eos, pad
+    # thinker states in order as they arrive: (embeds [n, H], hidden [n, H]); text_ended once the thinker is done
+    inbox: deque = field(default_factory=deque)
+    text_ended: bool = False
+    # engine state
+    text_done: bool = False  # text_ended as seen after taking in every state sent before it
+    done: bool = False
+    eos: bool = False
+    embeds: list[torch.Tensor] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    n_states: int = 0
+    cache: DynamicCache | None = None
+    n_cached: int = 0
+    rope_delta: float = 0.0
+    code0: int | None = None  # sampled, its frame not yet predicted
+    past_hidden: torch.Tensor | None = None  # [1, 1, D] talker output at the last position
+    frames: list[list[int]] = field(default_factory=list)
+    decoded: int = 0  # frames already turned into audio
+    generator: torch.Generator | None = None
+    predictor_generator: torch.Generator | None = None
+    tts: torch.Tensor | None = None  # [3, D] projected tts bos, eos, pad
+    seconds: dict = field(default_factory=lambda: {"talker": 0.0, "code_predictor": 0.0, "code2wav": 0.0})
+
+
+@dataclass
+class SpeechChunk:
+    pcm: np.ndarray  # float32 mono
+    codes: list[list[int]]  # frames x codebooks
+    first_frame: int
+
+
+@dataclass
+class TalkerStep:
+    chunks: list[SpeechChunk]
+    finished: bool = False
+
+
+
+
+class SpeechEngine:
+    """The engine protocol's request handling, shared; subclasses implement `step`."""
+
+    def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int]):
+        self.device, self.dtype, self.talker = torch.device(device), dtype, talker
+        self.code2wav = load_component("code2wav", model_dir, device, dtype, load_format, seed)
+        self.spec = spec = OmniSpec.load(model_dir)
+        tc = spec.talker
+        self.voices = spec.voices
+        self.codec = {k: tc[k] for k in ("codec_nothink_id", "codec_think_bos_id", "codec_think_eos_id", "codec_pad_id", "codec_bos_id")}
+        self.codec_eos = tc["codec_eos_token_id"]
+        vocab = tc["text_config"]["vocab_size"]
+        self.suppress = torch.tensor([i for i in range(vocab - 1024, vocab) if i != self.codec_eos], device=self.device)
+        self.suppress_with_eos = torch.arange(vocab - 1024, vocab, device=self.device)  # fixed-length speech
+        self.groups = tc["num_code_groups"]
+        self.mm_ids = torch.tensor([spec.thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")])
+        self.rope_tokens = tokens_from_config(tc)
+        self.tts_pad_id = spec.raw["tts_pad_token_id"]
+        self.chunking = chunking
+        self.samples_per_frame = int(self.code2wav.total_upsample)
+        self.sample_rate = 24000
+
+    def add(self, seq: TalkerSeq) -> None:
+        if seq.params.max_tokens < 1:
+            raise InvalidArgument("talker max frames must be at least 1")
+        seq.generator = seq.params.generator(self.device)
+        if seq.params.temperature > 0:  # the predictor samples too, from its own stream of the request's seed
+            seed = seq.params.seed + 1 if seq.params.seed else 0
+            seq.predictor_generator = replace(PREDICTOR_SAMPLING, seed=seed).generator(self.device)
+
+    def ready(self, seq: TalkerSeq) -> bool:
+        if seq.done:
+            return False
+        ended = seq.text_ended  # read before taking in states: every state sent before the end is in the inbox
+        self._ingest(seq)
+        seq.text_done = ended
+        if not self.started(seq):
+            return seq.n_states >= len(seq.prompt_ids) + 1 or seq.text_done
+        return self._trailing_known(seq)
+
+    def started(self, seq: TalkerSeq) -> bool:
+        raise NotImplementedError
+
+    def free(self, seq: TalkerSeq) -> None:
+        seq.embeds.clear()
+        seq.hidden.clear()
+
+    def suppressed(self, seq: TalkerSeq) -> torch.Tensor:
+        return self.suppress_with_eos if seq.params.ignore_eos else self.suppress
+
+    def _ingest(self, seq: TalkerSeq) -> None:
+        while seq.inbox:
+            embeds, hidden = seq.inbox.popleft()
+            seq.embeds.append(embeds.to(self.device, self.dtype))
+            seq.hidden.append(hidden.to(self.device, self.dtype))
+            seq.n_states += len(embeds)
+
+    def _trailing_known(self, seq: TalkerSeq) -> bool:
+        # Frame t adds the text of position L + 1 + t (or tts_eos / tts_pad once the text has run out).
+        return seq.text_done or seq.n_states > len(seq.prompt_ids) + 1 + len(seq.frames)
+
+    def _states(self, seq: TalkerSeq) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(seq.embeds) > 1:
+            seq.embeds[:] = [torch.cat(seq.embeds)]
+            seq.hidden[:] = [torch.cat(seq.hidden)]
+        return seq.embeds[0], seq.hidden[0]
+
+    def prompt_inputs(self, seq: TalkerSeq) -> tuple[torch.Tensor, torch.Tensor]:
+        """The talker's prompt [L, D] and its M-RoPE positions [3, L] (sets seq.tts and seq.rope_delta)."""
+        tk, raw = self.talker, self.spec.raw
+        ids = seq.prompt_ids.to(self.device)
+        n = len(ids)
+        embeds, hidden = self._states(seq)
+        # User turns only, multimodal positions from the accept layer, text from the input embedding.
+        positions = torch.arange(n, device=self.device)
+        starts = torch.where(ids == raw["im_start_token_id"], positions, torch.full_like(positions, -1))
+        role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(n - 1)]
+        user = role == raw["user_token_id"]
+        mm = torch.isin(ids, self.mm_ids.to(self.device))
+        projected = torch.empty(n, tk.config.text_config.hidden_size, device=self.device, dtype=self.dtype)
+        if mm.any():
+            projected[mm] = tk.hidden_projection(hidden[:n][mm])
+        projected[~mm] = tk.text_projection(embeds[:n][~mm])
+        user_embeds, user_ids = projected[user], ids[user]
+        # Assistant prefix: <|im_start|> assistant \n, tts_pad x4, tts_bos, first text token, each summed with
+        # the codec stream zeros x3, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos.
+        a = int(torch.nonzero((ids[:-1] == raw["im_start_token_id"]) & (ids[1:] == raw["assistant_token_id"]))[-1])
+        seq.tts = tk.text_projection(seq.tts_embeds.to(self.device, self.dtype)[None])[0]
+        bos, _, pad = seq.tts
+        assistant = tk.text_projection(embeds[a:n + 1][None])[0]
+        text = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
+        c = self.codec
+        codec_ids = torch.tensor([c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"], seq.speaker_id,
+                                  c["codec_pad_id"], c["codec_bos_id"]], device=self.device)
+        codec = torch.cat([torch.zeros(3, text.shape[1], device=self.device, dtype=self.dtype), tk.get_input_embeddings()(codec_ids)])
+        talker_ids = torch.cat([user_ids, torch.full((9,), self.tts_pad_id, device=self.device)])
+        pos, seq.rope_delta = mrope_positions(talker_ids.cpu().numpy(), seq.layout, self.rope_tokens)
+        return torch.cat([user_embeds, text + codec]), torch.from_numpy(pos).to(self.device)
+
+    def trailing(self, seq: TalkerSeq, t: int) -> torch.Tensor:
+        """The text added to frame t's input [1, D]: thinker position L + 1 + t, then tts_eos, then tts_pad."""
+        pos = len(seq.prompt_ids) + 1 + t
+        if pos < seq.n_states:
+            embeds, _ = self._states(seq)
+            return self.talker.text_projection(embeds[pos:pos + 1][None])[0]
+        return seq.tts[1:2] if pos == seq.n_states else seq.tts[2:3]
+
+    def vocode(self, seq: TalkerSeq) -> list[SpeechChunk]:
+        """Decodes the frames ready for audio: a small first chunk, then chunks with left context."""
+        first, size, context = self.chunking
+        chunks = []
+        while seq.decoded < len(seq.frames):
+            need = first if seq.decoded == 0 else size
+            if len(seq.frames) - seq.decoded < need and not seq.done:
+                break
+            t0 = time.perf_counter()
+            start, end = seq.decoded, min(len(seq.frames), seq.decoded + need)
+            ctx = min(context, start)
+            codes = torch.tensor(seq.frames[start - ctx:end], device=self.device).T[None]  # [1, G, frames]
+            wav = self.code2wav(codes)[0, 0, ctx * self.samples_per_frame:]
+            chunks.append(SpeechChunk(wav.float().cpu().numpy(), seq.frames[start:end], start))
+            seq.decoded = end
+            seq.seconds["code2wav"] += time.perf_counter() - t0
+        return chunks
