@@ -49,7 +49,7 @@ def hf_model(tiny_model):
     return load_hf(tiny_model)
 
 
-def write_config(path: Path, model_dir: Path, encoders: int = 2, talker: bool = True, **overrides) -> Path:
+def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bool = True, **overrides) -> Path:
     ports = iter(free_ports(32))
 
     def replicas(n, **extra):
@@ -68,7 +68,7 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, talker: bool = 
         "preprocess": {"replicas": replicas(1)},
         "encoder": {"replicas": enc},
         "thinker": {"replicas": replicas(1)},
-        "talker": {"replicas": replicas(1) if talker else [], "first_chunk_frames": 4, "chunk_frames": 8},
+        "talker": {"replicas": replicas(1) if with_talker else [], "first_chunk_frames": 4, "chunk_frames": 8},
     }
     for key, value in overrides.items():
         cfg[key].update(value)
@@ -95,9 +95,9 @@ def mesh(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def native_mesh(tiny_model, tmp_path_factory):
-    """The mesh with the native thinker engine (small blocks and budget, so requests share steps and chunk)."""
-    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker={"engine": "native", "block_size": 8,
-                                                                            "max_batched_tokens": 64, "kv_blocks": 256})
+    """The mesh with the native thinker and talker engines (small blocks and budget: requests share steps and chunk)."""
+    small = {"engine": "native", "block_size": 8, "max_batched_tokens": 64, "kv_blocks": 256}
+    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker=small, talker=small)
     yield m
     codes = m.stop()
     assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"

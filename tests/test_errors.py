@@ -115,7 +115,7 @@ def test_audio_output_without_a_talker(tiny_model, tmp_path):
     from conftest import write_config
     from services.launch import Mesh
 
-    with Mesh(write_config(tmp_path / "notalker.yaml", tiny_model, encoders=1, talker=False), log_dir=tmp_path, stages=("gateway",)) as m:
+    with Mesh(write_config(tmp_path / "notalker.yaml", tiny_model, encoders=1, with_talker=False), log_dir=tmp_path, stages=("gateway",)) as m:
         err = error_of(m.gateway_address, user(("text", "x")).request(speech=True))
         assert err.code() == PRECONDITION and "no talker" in err.details()
         with grpc.insecure_channel(m.gateway_address) as ch:
@@ -143,7 +143,8 @@ def _wait_released(mesh, timeout: float) -> dict:
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
-def test_cancel_or_deadline_frees_every_stage(mesh, how):
+def test_cancel_or_deadline_frees_every_stage(any_mesh, how):
+    mesh = any_mesh
     generate(mesh.gateway_address, user(("text", "warm up")).request(speech=True, max_tokens=3, frames=3))
     req = user(("image", png(11)), ("text", "talk a lot")).request(speech=True, max_tokens=250, frames=250)
     req.sampling.ignore_eos = req.talker_sampling.ignore_eos = True

@@ -67,7 +67,8 @@ def sample_next(
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 seen: list[torch.Tensor | None] | None = None, generated: list[int] | None = None) -> torch.Tensor:
+                 seen: list[torch.Tensor | None] | None = None, generated: list[int] | None = None,
+                 suppress: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """One token per row of `logits` [B, V], with tensor ops over the batch: rows loop in Python only where a
     request asks for something per row (a seed, a repetition penalty, a minimum length)."""
     logits = logits.float().clone()
@@ -78,6 +79,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
             logits[i] = apply_repetition_penalty(logits[i], seen[i], p.repetition_penalty)
         if generated is not None and generated[i] < p.min_tokens and p.stop_token_ids:
             logits[i, list(p.stop_token_ids)] = float("-inf")
+        if suppress is not None and suppress[i] is not None:
+            logits[i, suppress[i]] = float("-inf")
     temps = torch.tensor([p.temperature for p in params], device=dev)
     out = logits.argmax(-1)
     rows = (temps > 0).nonzero()[:, 0]

@@ -63,7 +63,7 @@ class Scheduler:
     def schedule(self) -> list[Work]:
         budget, work = self.max_tokens, []
         for seq in list(self.running):
-            if seq not in self.running or budget == 0:
+            if seq not in self.running or budget == 0 or seq.pending == 0:  # nothing new for it yet (a talker between frames)
                 continue
             n = min(seq.pending, budget)
             need = self._blocks_for(seq, n)

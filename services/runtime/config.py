@@ -126,7 +126,13 @@ class ThinkerConfig:
 @dataclass
 class TalkerConfig:
     replicas: list[Replica] = field(default_factory=list)
-    engine: Literal["reference"] = "reference"
+    # reference: transformers' modules, one request per forward; native: many requests per step (as the thinker's).
+    engine: Literal["reference", "native"] = "reference"
+    block_size: int = 16
+    kv_blocks: int = 0
+    max_batched_tokens: int = 2048
+    max_seqs: int = 256
+    moe: Literal["loop", "grouped"] = "loop"
     # Streaming code2wav: a small first chunk for a low time to first audio, then chunks with left context.
     first_chunk_frames: int = 5
     chunk_frames: int = 25

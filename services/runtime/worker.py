@@ -115,7 +115,7 @@ class EngineWorker:
             metrics.ACTIVE.labels(self.stage).set(len(self._active))
             if not batch:
                 continue
-            by_req = {id(h.req): h for h in batch}
+            by_req = {id(h.req): h for h in self._active}  # an engine may advance requests it was not asked about
             t0 = time.perf_counter()
             try:
                 outputs = self.engine.step([h.req for h in batch])

@@ -13,12 +13,13 @@ from services.runtime.protoconv import DTYPES, layout_from_proto, sampling_from_
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
+from services.talker.engine import NativeTalker
 from services.talker.reference import ReferenceTalker
 from services.talker.speech import TalkerSeq
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):
-    def __init__(self, worker: EngineWorker, engine: ReferenceTalker, transport: Transport, spec: OmniSpec):
+    def __init__(self, worker: EngineWorker, engine, transport: Transport, spec: OmniSpec):
         self.worker, self.engine, self.transport, self.spec = worker, engine, transport, spec
 
     def _seq(self, start: talker_pb2.TalkerStart) -> TalkerSeq:
@@ -87,8 +88,13 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r, tc = cfg.talker.replicas[replica], cfg.talker
-    engine = ReferenceTalker(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
-                             tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
+    args = (cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
+            tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
+    if tc.engine == "native":
+        engine = NativeTalker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
+                              max_seqs=tc.max_seqs, moe=tc.moe)
+    else:
+        engine = ReferenceTalker(*args)
     spec = OmniSpec.load(cfg.model.dir)
     return engine_stage(server, "talker", cfg, replica, engine, lambda w, t: TalkerServicer(w, engine, t, spec),
                         talker_pb2.DESCRIPTOR.services_by_name["Talker"])

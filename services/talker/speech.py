@@ -103,10 +103,14 @@ class SpeechEngine:
         seq.text_done = ended
         if not self.started(seq):
             return seq.n_states >= len(seq.prompt_ids) + 1 or seq.text_done
-        return self._trailing_known(seq)
+        return self.runnable(seq)
 
     def started(self, seq: TalkerSeq) -> bool:
         raise NotImplementedError
+
+    def runnable(self, seq: TalkerSeq) -> bool:
+        """A started request can take its next step: the text its next frame adds is known."""
+        return self._trailing_known(seq)
 
     def free(self, seq: TalkerSeq) -> None:
         seq.embeds.clear()

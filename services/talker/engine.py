@@ -1,0 +1,168 @@
+"""The native talker engine: many speech requests batched. Each step predicts the pending frames of all
+requests together (the code predictor's steps run once for the whole batch), then runs one talker
+forward over every scheduled request on a paged KV cache (prefills in chunks, one row per decode), then
+samples every first code at once. Same requests and outputs as the reference engine."""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.llm.attention import SeqSlice, TorchAttention
+from services.llm.context import step_context
+from services.llm.kv_cache import BlockAllocator, KVCache
+from services.llm.sampling import SamplingParams, sample_batch
+from services.llm.scheduler import Scheduler, SeqState
+from services.model.load import _default_dtype, load_config, load_weights_
+from services.talker.model import TalkerModel
+from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep
+
+GREEDY = SamplingParams()
+
+
+@dataclass(eq=False)
+class TalkerState(SeqState):
+    """Every input the talker took for the request, so a preempted request can be recomputed."""
+    inputs: list = field(default_factory=list)  # [n, D] per forward
+    positions: list = field(default_factory=list)  # [3, n] per forward
+
+    def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, positions = torch.cat(self.inputs), torch.cat(self.positions, dim=1)
+        self.inputs, self.positions = [inputs], [positions]
+        return inputs[start:start + n], positions[:, start:start + n]
+
+
+class NativeTalker(SpeechEngine):
+    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
+                 seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
+                 block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop"):
+        config = load_config(model_dir)
+        with torch.device(device), _default_dtype(dtype):
+            talker = TalkerModel(config.talker_config)
+        load_weights_(talker, "talker", model_dir, dtype, load_format, seed)
+        talker.to(device, dtype).eval()
+        super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames))
+        text, cp = config.talker_config.text_config, config.talker_config.code_predictor_config
+        blocks = kv_blocks or self._fitting_blocks(text, block_size)
+        self.cache = KVCache.allocate(text.num_hidden_layers, blocks, block_size, text.num_key_value_heads, text.head_dim, dtype, self.device)
+        self.scheduler = Scheduler(BlockAllocator(blocks), block_size, max_batched_tokens, max_seqs)
+        self.attention = TorchAttention(self.cache, text.head_dim ** -0.5)
+        # The predictor's keys for one frame: a block of num_code_groups positions per request, reused every frame.
+        self.cp_cache = KVCache.allocate(cp.num_hidden_layers, max_seqs, self.groups, cp.num_key_value_heads, cp.head_dim, dtype, self.device)
+        self.cp_attention = TorchAttention(self.cp_cache, cp.head_dim ** -0.5)
+        self.moe = moe
+        self.states: dict[int, TalkerState] = {}
+
+    def _fitting_blocks(self, text, block_size: int) -> int:
+        per_block = KVCache.bytes_per_block(text.num_hidden_layers, block_size, text.num_key_value_heads, text.head_dim, self.dtype)
+        if self.device.type != "cuda":
+            return max(64, (256 << 20) // per_block)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * 0.5) // per_block  # the rest is code2wav's and the activations'
+
+    # -- engine protocol ---------------------------------------------------------------------------
+
+    def started(self, seq: TalkerSeq) -> bool:
+        return id(seq) in self.states
+
+    def runnable(self, seq: TalkerSeq) -> bool:
+        return self.states[id(seq)].pending > 0 or (seq.code0 is not None and self._trailing_known(seq))
+
+    def free(self, seq: TalkerSeq) -> None:
+        super().free(seq)
+        state = self.states.pop(id(seq), None)
+        if state is not None:
+            self.scheduler.remove(state)
+
+    @torch.no_grad()
+    def step(self, seqs: list[TalkerSeq]) -> list[tuple[TalkerSeq, TalkerStep]]:
+        touched = {}
+        for seq in seqs:
+            if not self.started(seq):
+                touched[id(seq)] = seq
+                self._admit(seq)
+        framing = [s for s in seqs if self.started(s) and s.code0 is not None and self._trailing_known(s)]
+        if framing:
+            self._frames(framing)
+            touched.update((id(s), s) for s in framing)
+        touched.update((id(w.seq.owner), w.seq.owner) for w in self._forward())
+        return [(seq, TalkerStep(self.vocode(seq), finished=seq.done)) for seq in touched.values()]
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def _admit(self, seq: TalkerSeq) -> None:
+        if seq.n_states < len(seq.prompt_ids) + 1:  # the thinker ended before its first text token
+            seq.done = True
+            return
+        inputs, positions = self.prompt_inputs(seq)
+        state = TalkerState(tokens=[self.tts_pad_id] * len(inputs), owner=seq, inputs=[inputs], positions=[positions])
+        self.states[id(seq)] = state
+        self.scheduler.add(state)
+
+    def _frames(self, seqs: list[TalkerSeq]) -> None:
+        """Predicts the pending frame of each request, then queues the talker's next input for those that go on."""
+        t0 = time.perf_counter()
+        codes, embeds = self._predict(seqs)
+        for i, seq in enumerate(seqs):
+            t = len(seq.frames)
+            seq.frames.append(codes[i].tolist())
+            seq.code0 = None
+            seq.seconds["code_predictor"] += (time.perf_counter() - t0) / len(seqs)
+            if len(seq.frames) >= seq.params.max_tokens:
+                seq.done = True
+                continue
+            state = self.states[id(seq)]
+            state.inputs.append(embeds[i].sum(0, keepdim=True) + self.trailing(seq, t))
+            state.positions.append(torch.full((3, 1), len(state.tokens) + seq.rope_delta, device=self.device))
+            state.tokens.append(seq.frames[-1][0])
+
+    def _predict(self, seqs: list[TalkerSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes [B, G] of the frames whose first codes are pending, and their code embeddings [B, G, D]."""
+        cp, b = self.talker.code_predictor, len(seqs)
+        first = self.talker.get_input_embeddings()(torch.tensor([s.code0 for s in seqs], device=self.device))
+        x = torch.stack([torch.stack([s.past_hidden for s in seqs]), first], dim=1).reshape(2 * b, -1)  # rows: hidden, code 0
+        positions = torch.arange(2, device=self.device).repeat(b).float().expand(3, -1)
+        params = [GREEDY if s.predictor_generator is None else PREDICTOR_SAMPLING for s in seqs]
+        generators = [s.predictor_generator for s in seqs]
+        codes, embeds, cached = [first.new_tensor([s.code0 for s in seqs], dtype=torch.long)], [first], 0
+        for i in range(self.groups - 1):
+            n = 2 if i == 0 else 1
+            slices = [SeqSlice([j], cached, n) for j in range(b)]
+            with step_context(self.cp_attention.plan(slices), self.moe):
+                h = cp.model(x, positions)
+            cached += n
+            code = sample_batch(cp.lm_head[i](h[n - 1::n]), params, generators)
+            codes.append(code)
+            x = cp.model.codec_embedding[i](code)
+            embeds.append(x)
+            positions = torch.full((3, b), float(cached), device=self.device)
+        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)
+
+    def _forward(self) -> list:
+        """One talker forward over what the scheduler picks; requests that caught up get their next first code."""
+        work = self.scheduler.schedule()
+        if not work:
+            return []
+        t0 = time.perf_counter()
+        rows = [w.seq.rows(w.start, w.n) for w in work]
+        with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
+            hidden = self.talker.model(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows], dim=1))
+        self.scheduler.advance(work)
+        last = torch.tensor([w.n for w in work]).cumsum(0) - 1
+        caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens)]
+        if caught_up:
+            seqs = [work[i].seq.owner for i in caught_up]
+            h = hidden[last[caught_up]]
+            codes = sample_batch(self.talker.codec_head(h), [s.params for s in seqs], [s.generator for s in seqs],
+                                 [torch.tensor([f[0] for f in s.frames], dtype=torch.long, device=self.device) for s in seqs],
+                                 [len(s.frames) for s in seqs], [self.suppressed(s) for s in seqs]).tolist()
+            for seq, code, past in zip(seqs, codes, h):
+                seq.past_hidden = past
+                if code == self.codec_eos:
+                    seq.done, seq.eos = True, True
+                else:
+                    seq.code0 = code
+        elapsed = time.perf_counter() - t0
+        for w in work:
+            w.seq.owner.seconds["talker"] += elapsed / len(work)
+        return work

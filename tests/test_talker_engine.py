@@ -1,0 +1,89 @@
+"""The native talker engine against transformers' generate(): the same codes and waveform for several
+speech requests batched together, with the thinker's states arriving one per step, prompts in chunks
+and requests preempted and recomputed."""
+
+import numpy as np
+import pytest
+import torch
+
+from references import Case, Reference, png, wav
+from services.llm.mrope import Layout
+from services.llm.sampling import SamplingParams
+from services.model.spec import audio_tokens
+from services.talker.engine import NativeTalker
+from services.talker.speech import TalkerSeq
+
+CASES = {
+    "text": Case([("user", [("text", "Tell me a story about a cat.")])]),
+    "image": Case([("user", [("image", png(1)), ("text", "What is in this picture?")])]),
+    "audio": Case([("user", [("audio", wav(2, 1.5)), ("text", "What do you hear?")])]),
+    "mixed": Case([("system", [("text", "terse")]), ("user", [("image", png(3, 96, 64)), ("audio", wav(4)), ("text", "compare")])]),
+}
+ENGINES = {
+    "one step per prompt": {},
+    "chunked prefill": {"max_batched_tokens": 5},
+    "preemption": {"kv_blocks": 16, "block_size": 4, "max_batched_tokens": 8},
+    "grouped experts": {"moe": "grouped"},
+}
+TOKENS, FRAMES = 10, 14
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_model, hf_model):
+    """Per case: the talker's inputs from transformers' thinker, and transformers' codes and waveform."""
+    ref = Reference(tiny_model, hf_model)
+    spec, out = ref.spec, {}
+    for name, case in CASES.items():
+        kw = ref.inputs(case)
+        _, codes, wave = ref.generate(case, TOKENS, speech=True, frames=FRAMES)
+        with torch.no_grad():
+            r = hf_model.thinker.generate(**kw, max_new_tokens=TOKENS, do_sample=False, output_hidden_states=True,
+                                          return_dict_in_generate=True, eos_token_id=spec.raw["im_end_token_id"])
+            tts = hf_model.thinker.get_input_embeddings()(torch.tensor(
+                [spec.raw[k] for k in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")]))
+        accept = spec.talker["accept_hidden_layer"]
+        layout = Layout(image_grid_thw=[tuple(g.tolist()) for g in kw.get("image_grid_thw", [])],
+                        audio_tokens=[audio_tokens(int(n)) for n in kw["feature_attention_mask"].sum(-1)] if "feature_attention_mask" in kw else [])
+        out[name] = dict(ids=kw["input_ids"][0], layout=layout, tts=tts, codes=codes, wave=wave,
+                         embeds=torch.cat([h[0][0] for h in r.hidden_states]), hidden=torch.cat([h[accept][0] for h in r.hidden_states]))
+    return out, spec
+
+
+@pytest.mark.parametrize("setup", list(ENGINES))
+def test_batched_speech_equals_transformers(tiny_model, cases, setup):
+    data, spec = cases
+    engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, **ENGINES[setup])
+    seqs, fed, chunks = {}, {}, {name: [] for name in data}
+    for name, d in data.items():
+        seq = TalkerSeq(name, d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), d["tts"])
+        engine.add(seq)
+        n = len(d["ids"])
+        seq.inbox.append((d["embeds"][:n], d["hidden"][:n]))
+        seqs[name], fed[name] = seq, n
+    for _ in range(500):
+        if all(s.done for s in seqs.values()):
+            break
+        for name, seq in seqs.items():  # the thinker's states arrive one position per step
+            d = data[name]
+            if fed[name] < len(d["embeds"]):
+                seq.inbox.append((d["embeds"][fed[name]:fed[name] + 1], d["hidden"][fed[name]:fed[name] + 1]))
+                fed[name] += 1
+            else:
+                seq.text_ended = True
+        ready = [s for s in seqs.values() if engine.ready(s)]
+        for seq, out in engine.step(ready) if ready else []:
+            chunks[seq.request_id] += out.chunks
+        for seq in seqs.values():
+            if seq.done and id(seq) in engine.states:
+                engine.free(seq)
+    for name, seq in seqs.items():
+        assert seq.frames == data[name]["codes"] and seq.frames, name
+        frame = 0
+        for chunk in chunks[name]:
+            ref = data[name]["wave"][frame * 1920: frame * 1920 + len(chunk.pcm)]
+            assert len(ref) == len(chunk.pcm) and np.abs(chunk.pcm - ref).max() < 1e-5, name
+            frame += len(chunk.codes)
+        assert frame == len(seq.frames)
+    if setup == "preemption":
+        assert engine.scheduler.preemptions > 0
+    assert engine.scheduler.allocator.used == 0 and not engine.states
