@@ -65,9 +65,10 @@ def host_ms(step_ms: float, dev_ms: float | None, device: torch.device) -> float
 
 
 def thinker_cells(cfg: MeshConfig, device: str, args):
-    from services.thinker.reference import ReferenceThinker, ThinkerSeq
+    from services.thinker.reference import ThinkerSeq
+    from services.thinker.server import make_engine
 
-    engine = ReferenceThinker(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+    engine = make_engine(cfg, device)  # the config's engine: reference or native
     dev, gen = engine.device, torch.Generator().manual_seed(args.seed)
     steps = args.decode_steps
 
@@ -84,7 +85,12 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
     for length in args.prompt_lens:
         for b in args.batches:
             seqs = batch(b, length, steps + 2)
-            prefill_s, _ = timed(lambda: engine.step(seqs), dev)
+
+            def prefill():  # one step for the reference engine; as many as the token budget needs for the native one
+                while any(not s.generated for s in seqs):
+                    engine.step(seqs)
+
+            prefill_s, _ = timed(prefill, dev)
             walls = [timed(lambda: engine.step(seqs), dev)[0] for _ in range(steps)]
             dev_ms = device_ms(lambda: engine.step(seqs), dev)
             step_ms = 1000 * statistics.median(walls)
@@ -100,12 +106,10 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
 def talker_cells(cfg: MeshConfig, device: str, args):
     from transformers import AutoTokenizer
 
-    from services.talker.reference import ReferenceTalker
+    from services.talker.server import make_engine
     from services.talker.speech import TalkerSeq
 
-    tc = cfg.talker
-    engine = ReferenceTalker(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
-                             tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
+    engine = make_engine(cfg, device)  # the config's engine: reference or native
     spec, dev = engine.spec, engine.device
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": ascii_prompt(args.seed, args.talker_prompt_bytes)}],

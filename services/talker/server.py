@@ -86,15 +86,20 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                 self.worker.cancel(handle)
 
 
-async def build(cfg: MeshConfig, replica: int, server) -> Stage:
-    r, tc = cfg.talker.replicas[replica], cfg.talker
-    args = (cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
+def make_engine(cfg: MeshConfig, device: str):
+    """The engine the config names, on `device`."""
+    tc = cfg.talker
+    args = (cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
             tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
     if tc.engine == "native":
-        engine = NativeTalker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
-                              max_seqs=tc.max_seqs, moe=tc.moe)
-    else:
-        engine = ReferenceTalker(*args)
+        return NativeTalker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
+                            max_seqs=tc.max_seqs, moe=tc.moe)
+    return ReferenceTalker(*args)
+
+
+async def build(cfg: MeshConfig, replica: int, server) -> Stage:
+    r = cfg.talker.replicas[replica]
+    engine = make_engine(cfg, r.device)
     spec = OmniSpec.load(cfg.model.dir)
     return engine_stage(server, "talker", cfg, replica, engine, lambda w, t: TalkerServicer(w, engine, t, spec),
                         talker_pb2.DESCRIPTOR.services_by_name["Talker"])

@@ -65,13 +65,18 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                 self.worker.cancel(handle)
 
 
-async def build(cfg: MeshConfig, replica: int, server) -> Stage:
-    r, tc = cfg.thinker.replicas[replica], cfg.thinker
-    args = (cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+def make_engine(cfg: MeshConfig, device: str):
+    """The engine the config names, on `device`."""
+    tc = cfg.thinker
+    args = (cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
     if tc.engine == "native":
-        engine = NativeThinker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
-                               max_seqs=tc.max_seqs, moe=tc.moe)
-    else:
-        engine = ReferenceThinker(*args)
+        return NativeThinker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
+                             max_seqs=tc.max_seqs, moe=tc.moe)
+    return ReferenceThinker(*args)
+
+
+async def build(cfg: MeshConfig, replica: int, server) -> Stage:
+    r = cfg.thinker.replicas[replica]
+    engine = make_engine(cfg, r.device)
     return engine_stage(server, "thinker", cfg, replica, engine, lambda w, t: ThinkerServicer(w, t, r.device),
                         thinker_pb2.DESCRIPTOR.services_by_name["Thinker"], exports_gpu_tensors=True)
