@@ -86,7 +86,8 @@ class NativeTalker(SpeechEngine):
             self._frames(framing)
             touched.update((id(s), s) for s in framing)
         touched.update((id(w.seq.owner), w.seq.owner) for w in self._forward())
-        return [(seq, TalkerStep(self.vocode(seq), finished=seq.done)) for seq in touched.values()]
+        audio = self.vocode(list(touched.values()))
+        return [(seq, TalkerStep(audio[id(seq)], finished=seq.done)) for seq in touched.values()]
 
     # -- one step ----------------------------------------------------------------------------------
 

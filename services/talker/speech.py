@@ -176,20 +176,33 @@ class SpeechEngine:
             return self.talker.text_projection(embeds[pos:pos + 1][None])[0]
         return seq.tts[1:2] if pos == seq.n_states else seq.tts[2:3]
 
-    def vocode(self, seq: TalkerSeq) -> list[SpeechChunk]:
-        """Decodes the frames ready for audio: a small first chunk, then chunks with left context."""
+    def _next_chunk(self, seq: TalkerSeq) -> tuple[int, int, int] | None:
+        """(start, end, left context) of the next chunk ready for audio: a small first one, then full ones
+        with left context, and whatever is left once the request is done."""
         first, size, context = self.chunking
-        chunks = []
-        while seq.decoded < len(seq.frames):
-            need = first if seq.decoded == 0 else size
-            if len(seq.frames) - seq.decoded < need and not seq.done:
-                break
-            t0 = time.perf_counter()
-            start, end = seq.decoded, min(len(seq.frames), seq.decoded + need)
-            ctx = min(context, start)
-            codes = torch.tensor(seq.frames[start - ctx:end], device=self.device).T[None]  # [1, G, frames]
-            wav = self.code2wav(codes)[0, 0, ctx * self.samples_per_frame:]
-            chunks.append(SpeechChunk(wav.float().cpu().numpy(), seq.frames[start:end], start))
-            seq.decoded = end
-            seq.seconds["code2wav"] += time.perf_counter() - t0
-        return chunks
+        if seq.decoded >= len(seq.frames):
+            return None
+        need = first if seq.decoded == 0 else size
+        if len(seq.frames) - seq.decoded < need and not seq.done:
+            return None
+        start = seq.decoded
+        return start, min(len(seq.frames), start + need), min(context, start)
+
+    def vocode(self, seqs: list[TalkerSeq]) -> dict[int, list[SpeechChunk]]:
+        """Every chunk ready for audio, per request; chunks of the same length and context are decoded together
+        (code2wav is causal, so a batch gives each request what it would get alone)."""
+        out: dict[int, list[SpeechChunk]] = {id(s): [] for s in seqs}
+        while jobs := [(s, c) for s in seqs if (c := self._next_chunk(s)) is not None]:
+            groups: dict[tuple[int, int], list] = {}
+            for s, (start, end, ctx) in jobs:
+                groups.setdefault((end - start, ctx), []).append((s, start, end, ctx))
+            for group in groups.values():
+                t0 = time.perf_counter()
+                codes = torch.tensor([s.frames[start - ctx:end] for s, start, end, ctx in group], device=self.device)
+                wavs = self.code2wav(codes.transpose(1, 2))[:, 0, group[0][3] * self.samples_per_frame:]  # [B, samples]
+                wavs = wavs.float().cpu().numpy()
+                for (s, start, end, _), wav in zip(group, wavs):
+                    out[id(s)].append(SpeechChunk(wav, s.frames[start:end], start))
+                    s.decoded = end
+                    s.seconds["code2wav"] += (time.perf_counter() - t0) / len(group)
+        return out
