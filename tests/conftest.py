@@ -61,7 +61,7 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bo
     cfg = {
         "model": {"path": str(model_dir), "dtype": "float32", "name": "tiny"},
         "limits": {"max_request_bytes": 4 << 20, "max_media_items": 4, "max_image_pixels": 1 << 20,
-                   "max_audio_seconds": 20, "max_video_frames": 8, "max_new_tokens": 256, "max_talker_frames": 256,
+                   "max_audio_seconds": 20, "max_video_frames": 8, "max_new_tokens": 256, "max_talker_frames": 1024,
                    "max_context_tokens": 512},
         "transport": {"pool_bytes": 64 << 20, "reclaim_after_s": 10.0},
         "gateway": {"replicas": replicas(1)},

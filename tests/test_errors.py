@@ -146,7 +146,7 @@ def _wait_released(mesh, timeout: float) -> dict:
 def test_cancel_or_deadline_frees_every_stage(any_mesh, how):
     mesh = any_mesh
     generate(mesh.gateway_address, user(("text", "warm up")).request(speech=True, max_tokens=3, frames=3))
-    req = user(("image", png(11)), ("text", "talk a lot")).request(speech=True, max_tokens=250, frames=250)
+    req = user(("image", png(11)), ("text", "talk a lot")).request(speech=True, max_tokens=250, frames=1000)
     req.sampling.ignore_eos = req.talker_sampling.ignore_eos = True
     both_busy = False  # seen the thinker and the talker both holding the request
     with grpc.insecure_channel(mesh.gateway_address) as ch:

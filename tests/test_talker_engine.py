@@ -22,7 +22,7 @@ CASES = {
 ENGINES = {
     "one step per prompt": {},
     "chunked prefill": {"max_batched_tokens": 5},
-    "preemption": {"kv_blocks": 16, "block_size": 4, "max_batched_tokens": 8},
+    "preemption": {"kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
     "grouped experts": {"moe": "grouped"},
 }
 TOKENS, FRAMES = 10, 14
@@ -87,3 +87,14 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup):
     if setup == "preemption":
         assert engine.scheduler.preemptions > 0
     assert engine.scheduler.allocator.used == 0 and not engine.states
+
+
+def test_a_request_larger_than_the_cache_is_refused(tiny_model, cases):
+    from services.runtime.errors import ResourceExhausted
+
+    data, spec = cases
+    d = data["text"]
+    engine = NativeTalker(tiny_model, kv_blocks=8, block_size=4)
+    seq = TalkerSeq("big", d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=100), d["tts"])
+    with pytest.raises(ResourceExhausted, match="more than the talker's KV cache holds"):
+        engine.add(seq)

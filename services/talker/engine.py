@@ -14,6 +14,7 @@ from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.sampling import SamplingParams, sample_batch
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
+from services.runtime.errors import ResourceExhausted
 from services.talker.model import TalkerModel
 from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep
 
@@ -61,6 +62,14 @@ class NativeTalker(SpeechEngine):
         return int(free * 0.5) // per_block  # the rest is code2wav's and the activations'
 
     # -- engine protocol ---------------------------------------------------------------------------
+
+    def add(self, seq: TalkerSeq) -> None:
+        need = len(seq.prompt_ids) + 9 + seq.params.max_tokens  # at most: the prompt, the assistant prefix, a row per frame
+        capacity = self.scheduler.allocator.num_blocks * self.scheduler.block_size
+        if need > capacity:
+            raise ResourceExhausted(f"{seq.params.max_tokens} frames after a prompt of {len(seq.prompt_ids)} tokens is "
+                                    f"more than the talker's KV cache holds ({capacity} positions)")
+        super().add(seq)
 
     def started(self, seq: TalkerSeq) -> bool:
         return id(seq) in self.states
