@@ -80,6 +80,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
 
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, get_context().moe_backend)
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
@@ -111,8 +114,7 @@ class SparseMoE(nn.Module):
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        out = moe_experts(x, ids, weights.to(logits.dtype), self.experts.gate_up_proj, self.experts.down_proj,
-                          get_context().moe_backend)
+        out = self.experts(x, ids, weights.to(logits.dtype))  # a module: quantisation swaps it (services/llm/fp8.py)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -121,6 +121,8 @@ class ThinkerConfig:
     max_batched_tokens: int = 2048
     max_seqs: int = 256
     moe: Literal["loop", "grouped"] = "loop"
+    # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile; off: the model's dtype.
+    fp8_experts: Literal["off", "channel", "block"] = "off"
 
 
 @dataclass
@@ -133,6 +135,8 @@ class TalkerConfig:
     max_batched_tokens: int = 2048
     max_seqs: int = 256
     moe: Literal["loop", "grouped"] = "loop"
+    # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile; off: the model's dtype.
+    fp8_experts: Literal["off", "channel", "block"] = "off"
     # Streaming code2wav: a small first chunk for a low time to first audio, then chunks with left context.
     first_chunk_frames: int = 5
     chunk_frames: int = 25

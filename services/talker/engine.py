@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.llm.attention import SeqSlice, TorchAttention
+from services.llm.fp8 import FP8_BLOCK, quantize_experts_
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.sampling import SamplingParams, sample_batch
@@ -36,12 +37,15 @@ class TalkerState(SeqState):
 class NativeTalker(SpeechEngine):
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
-                 block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop"):
+                 block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
+                 fp8_experts: str = "off"):
         config = load_config(model_dir)
         with torch.device(device), _default_dtype(dtype):
             talker = TalkerModel(config.talker_config)
         load_weights_(talker, "talker", model_dir, dtype, load_format, seed)
-        talker.to(device, dtype).eval()
+        if fp8_experts != "off":
+            quantize_experts_(talker, FP8_BLOCK if fp8_experts == "block" else None)
+        talker.to(device).eval()
         super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames))
         text, cp = config.talker_config.text_config, config.talker_config.code_predictor_config
         blocks = kv_blocks or self._fitting_blocks(text, block_size)

@@ -93,7 +93,7 @@ def make_engine(cfg: MeshConfig, device: str):
             tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
     if tc.engine == "native":
         return NativeTalker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
-                            max_seqs=tc.max_seqs, moe=tc.moe)
+                            max_seqs=tc.max_seqs, moe=tc.moe, fp8_experts=tc.fp8_experts)
     return ReferenceTalker(*args)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.llm.attention import SeqSlice, TorchAttention
+from services.llm.fp8 import FP8_BLOCK, quantize_experts_
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.sampling import sample_batch
@@ -26,13 +27,15 @@ class ThinkerState(SeqState):
 class NativeThinker:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
-                 max_seqs: int = 256, moe: str = "loop"):
+                 max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off"):
         self.device, self.dtype = torch.device(device), dtype
         config = load_config(model_dir)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = ThinkerModel(config.thinker_config)
         load_weights_(self.model, "thinker", model_dir, dtype, load_format, seed)
-        self.model.to(self.device, dtype).eval()
+        if fp8_experts != "off":
+            quantize_experts_(self.model, FP8_BLOCK if fp8_experts == "block" else None)
+        self.model.to(self.device).eval()
         spec = OmniSpec.load(model_dir)
         tc = config.thinker_config.text_config
         self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None

@@ -1,0 +1,86 @@
+"""fp8 (e4m3) experts, applied from outside the model by swapping each layer's experts module.
+
+Weights are quantised once at load, per output channel or per 128 x 128 tile; activations per token at
+run time. The reference path here dequantises and runs the same loop as the float experts: it is what
+faster fp8 kernels are held to.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.llm.layers import Experts
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_BLOCK = 128  # tile of the block-scaled layout (DeepSeek-style fp8 checkpoints use the same)
+
+
+def quantize(w: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (fp8 [..., N, K], float32 scales [..., N] per row, or [..., N/b, K/b] per b x b tile)."""
+    w = w.float()
+    if block is None:
+        scale = w.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+        return (w / scale[..., None]).to(FP8), scale
+    *lead, n, k = w.shape
+    if n % block or k % block:
+        raise ValueError(f"a {n} x {k} matrix does not split into {block} x {block} tiles")
+    tiles = w.reshape(*lead, n // block, block, k // block, block)
+    scale = tiles.abs().amax((-3, -1)).clamp_min(1e-12) / FP8_MAX  # [..., N/b, K/b]
+    q = (tiles / scale[..., :, None, :, None]).to(FP8).reshape(w.shape)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    if block is None:
+        return q.float() * scale[..., None]
+    *lead, n, k = q.shape
+    tiles = q.float().reshape(*lead, n // block, block, k // block, block) * scale[..., :, None, :, None]
+    return tiles.reshape(q.shape)
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (fp8 [T, K], scales [T, 1]): one scale per token."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (x.float() / scale).to(FP8), scale
+
+
+def fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_tokens(x)
+    return q.float() * s
+
+
+class Fp8Experts(nn.Module):
+    """The experts of one layer in fp8, with their scales; same call as `Experts`."""
+
+    def __init__(self, experts: Experts, block: int | None):
+        super().__init__()
+        self.block = block
+        for name in ("gate_up_proj", "down_proj"):
+            q, scale = quantize(getattr(experts, name).detach(), block)
+            self.register_buffer(name, q)
+            self.register_buffer(f"{name}_scale", scale)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The reference: per-token fp8 activations and dequantised weights through the experts loop."""
+        out = torch.zeros_like(x)
+        xq = fake_quant_tokens(x)
+        mask = F.one_hot(ids, self.gate_up_proj.shape[0]).permute(2, 1, 0)  # [E, k, N]
+        for e in (mask.sum((-1, -2)) > 0).nonzero()[:, 0].tolist():
+            slot, tok = torch.where(mask[e])
+            gate_up = dequantize(self.gate_up_proj[e], self.gate_up_proj_scale[e], self.block)
+            down = dequantize(self.down_proj[e], self.down_proj_scale[e], self.block)
+            gate, up = F.linear(xq[tok], gate_up).chunk(2, dim=-1)
+            y = F.linear(fake_quant_tokens(F.silu(gate) * up), down) * weights[tok, slot, None].float()
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+def quantize_experts_(model: nn.Module, block: int | None = None) -> int:
+    """Swaps every experts module of `model` for its fp8 version, in place; returns how many it swapped."""
+    swapped = 0
+    for module in list(model.modules()):
+        if isinstance(getattr(module, "experts", None), Experts):
+            module.experts = Fp8Experts(module.experts, block)
+            swapped += 1
+    return swapped

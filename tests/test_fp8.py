@@ -1,0 +1,83 @@
+"""fp8 experts: quantisation round trips, the fp8 reference against a float reference of the same
+quantised weights, and the thinker with fp8 experts against itself in full precision."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.llm import fp8
+from services.llm.layers import Experts
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_round_trip(block):
+    w = torch.randn(3, 64, 32, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, scale = fp8.quantize(w, block)
+    assert q.dtype == torch.float8_e4m3fn and q.float().abs().max() <= 448
+    back = fp8.dequantize(q, scale, block)
+    rel = (back - w).norm() / w.norm()
+    assert rel < 0.04, rel  # e4m3 keeps 3 mantissa bits: a few percent
+    assert ((back - w).abs() <= w.abs() * 2 ** -3 + 1e-9 + scale.max() * 2 ** -9).all()
+
+
+def test_tokens_get_one_scale_each():
+    x = torch.randn(5, 32) * torch.tensor([1e-3, 1.0, 10.0, 100.0, 0.0])[:, None]
+    q, s = fp8.quantize_tokens(x)
+    assert s.shape == (5, 1) and (q.float().abs().amax(-1)[:4] == 448).all()
+    assert ((q.float() * s - x).norm(dim=-1)[:4] / x.norm(dim=-1)[:4] < 0.04).all()
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_fp8_experts_equal_a_float_reference_of_the_same_quantised_weights(block):
+    g = torch.Generator().manual_seed(1)
+    e = Experts(32, 4, 16)
+    with torch.no_grad():
+        e.gate_up_proj.copy_(torch.randn(4, 32, 32, generator=g) * 0.2)
+        e.down_proj.copy_(torch.randn(4, 32, 16, generator=g) * 0.2)
+    x = torch.randn(9, 32, generator=g)
+    ids = torch.randint(0, 4, (9, 2), generator=g)
+    weights = torch.rand(9, 2, generator=g)
+    ours = fp8.Fp8Experts(e, block)(x, ids, weights)
+    gate_up = fp8.dequantize(*fp8.quantize(e.gate_up_proj.detach(), block), block)
+    down = fp8.dequantize(*fp8.quantize(e.down_proj.detach(), block), block)
+    ref = torch.zeros_like(x)
+    for t in range(9):  # token by token, written independently of the module
+        for j in range(2):
+            h = fp8.fake_quant_tokens(x[t:t + 1]) @ gate_up[ids[t, j]].T
+            gate, up = h.chunk(2, dim=-1)
+            ref[t] += (fp8.fake_quant_tokens(F.silu(gate) * up) @ down[ids[t, j]].T)[0] * weights[t, j]
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_thinker_with_fp8_experts_stays_close(tiny_model):
+    from services.thinker.engine import NativeThinker
+
+    full, quant = NativeThinker(tiny_model), NativeThinker(tiny_model)
+    assert fp8.quantize_experts_(quant.model) == len(quant.model.model.layers)
+    x = torch.randn(7, full.hidden_size, generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(7).float().expand(3, -1)
+    from services.llm.attention import SeqSlice
+    from services.llm.context import step_context
+
+    outs = []
+    for engine in (full, quant):
+        with step_context(engine.attention.plan([SeqSlice(list(range(4)), 0, 7)]), "loop"):
+            outs.append(engine.model(x, positions)[0])
+    rel = (outs[1] - outs[0]).norm() / outs[0].norm()
+    assert 0 < rel < 0.05, rel  # changed by quantisation, but only by its rounding
+
+
+def test_engines_serve_with_fp8_experts(tiny_model, hf_model):
+    from references import Case, Reference, thinker_seq
+    from services.thinker.engine import NativeThinker
+
+    engine = NativeThinker(tiny_model, fp8_experts="channel")
+    assert all(isinstance(layer.mlp.experts, fp8.Fp8Experts) for layer in engine.model.model.layers)
+    seq = thinker_seq(Reference(tiny_model, hf_model), Case([("user", [("text", "Hello there")])]), 9)
+    seq.params = seq.params.__class__(max_tokens=9, ignore_eos=True)
+    engine.add(seq)
+    while not seq.done:
+        engine.step([seq])
+    assert len(seq.generated) == 9 and seq.stop_reason == "length"
+    with pytest.raises(ValueError, match="tiles"):
+        NativeThinker(tiny_model, fp8_experts="block")  # the tiny experts are narrower than a 128 x 128 tile
