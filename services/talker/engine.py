@@ -29,9 +29,11 @@ class TalkerState(SeqState):
     positions: list = field(default_factory=list)  # [3, n] per forward
 
     def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, positions = torch.cat(self.inputs), torch.cat(self.positions, dim=1)
-        self.inputs, self.positions = [inputs], [positions]
-        return inputs[start:start + n], positions[:, start:start + n]
+        base = len(self.tokens) - len(self.inputs[-1])
+        if start < base:  # a chunk reaching into older inputs (a recompute): join them once
+            self.inputs, self.positions = [torch.cat(self.inputs)], [torch.cat(self.positions, dim=1)]
+            base = 0
+        return self.inputs[-1][start - base:start - base + n], self.positions[-1][:, start - base:start - base + n]
 
 
 class NativeTalker(SpeechEngine):
@@ -117,11 +119,12 @@ class NativeTalker(SpeechEngine):
         """Predicts the pending frame of each request, then queues the talker's next input for those that go on."""
         t0 = time.perf_counter()
         codes, embeds = self._predict(seqs)
+        share = (time.perf_counter() - t0) / len(seqs)
         for i, seq in enumerate(seqs):
             t = len(seq.frames)
             seq.frames.append(codes[i].tolist())
             seq.code0 = None
-            seq.seconds["code_predictor"] += (time.perf_counter() - t0) / len(seqs)
+            seq.seconds["code_predictor"] += share
             if len(seq.frames) >= seq.params.max_tokens:
                 seq.done = True
                 continue

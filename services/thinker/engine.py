@@ -80,6 +80,7 @@ class NativeThinker:
 
     @torch.no_grad()
     def step(self, seqs: list[ThinkerSeq]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+        """One forward over what the scheduler picks from every request added (not only `seqs`)."""
         t0 = time.perf_counter()
         work = self.scheduler.schedule()
         if not work:
