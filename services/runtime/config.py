@@ -110,7 +110,8 @@ class EncoderConfig:
 
 
 @dataclass
-class ThinkerConfig:
+class LMStageConfig:
+    """A stage running a language model (the thinker, the talker)."""
     replicas: list[Replica] = field(default_factory=list)
     # reference: transformers' modules, one request per forward; native: paged KV and continuous batching.
     engine: Literal["reference", "native"] = "reference"
@@ -124,19 +125,19 @@ class ThinkerConfig:
     # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile; off: the model's dtype.
     fp8_experts: Literal["off", "channel", "block"] = "off"
 
+    @property
+    def native_args(self) -> dict:
+        return dict(block_size=self.block_size, kv_blocks=self.kv_blocks, max_batched_tokens=self.max_batched_tokens,
+                    max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts)
+
 
 @dataclass
-class TalkerConfig:
-    replicas: list[Replica] = field(default_factory=list)
-    # reference: transformers' modules, one request per forward; native: many requests per step (as the thinker's).
-    engine: Literal["reference", "native"] = "reference"
-    block_size: int = 16
-    kv_blocks: int = 0
-    max_batched_tokens: int = 2048
-    max_seqs: int = 256
-    moe: Literal["loop", "grouped"] = "loop"
-    # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile; off: the model's dtype.
-    fp8_experts: Literal["off", "channel", "block"] = "off"
+class ThinkerConfig(LMStageConfig):
+    pass
+
+
+@dataclass
+class TalkerConfig(LMStageConfig):
     # Streaming code2wav: a small first chunk for a low time to first audio, then chunks with left context.
     first_chunk_frames: int = 5
     chunk_frames: int = 25

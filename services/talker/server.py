@@ -92,8 +92,7 @@ def make_engine(cfg: MeshConfig, device: str):
     args = (cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
             tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
     if tc.engine == "native":
-        return NativeTalker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
-                            max_seqs=tc.max_seqs, moe=tc.moe, fp8_experts=tc.fp8_experts)
+        return NativeTalker(*args, **tc.native_args)
     return ReferenceTalker(*args)
 
 

@@ -70,8 +70,7 @@ def make_engine(cfg: MeshConfig, device: str):
     tc = cfg.thinker
     args = (cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
     if tc.engine == "native":
-        return NativeThinker(*args, block_size=tc.block_size, kv_blocks=tc.kv_blocks, max_batched_tokens=tc.max_batched_tokens,
-                             max_seqs=tc.max_seqs, moe=tc.moe, fp8_experts=tc.fp8_experts)
+        return NativeThinker(*args, **tc.native_args)
     return ReferenceThinker(*args)
 
 
