@@ -89,6 +89,8 @@ def test_bad_input_is_refused_clearly_while_good_requests_are_served(mesh):
         kind, key, req = job
         return (job, error_of(mesh.gateway_address, req)) if kind == "bad" else (job, generate(mesh.gateway_address, req))
 
+    port = mesh.cfg.gateway.replicas[0].metrics_port
+    counted = {c: metric(port, "omni_requests_total", method="Generate", code=c) for c in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")}
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(run, jobs))
     for (kind, key, _), out in results:
@@ -100,6 +102,11 @@ def test_bad_input_is_refused_clearly_while_good_requests_are_served(mesh):
         assert out is not None, f"{key}: accepted"
         assert out.code() == code, f"{key}: {out.code()} {out.details()}"
         assert words in out.details(), f"{key}: {out.details()!r} does not say {words!r}"
+    # The gateway counts each refusal by its status (the over-size payload is refused by gRPC before the handler).
+    invalid = sum(1 for req, code, _ in bad.values() if code == INVALID)
+    exhausted = sum(1 for name, (req, code, _) in bad.items() if code == EXHAUSTED and name != "payload over the limit")
+    assert metric(port, "omni_requests_total", method="Generate", code="INVALID_ARGUMENT") - counted["INVALID_ARGUMENT"] == invalid
+    assert metric(port, "omni_requests_total", method="Generate", code="RESOURCE_EXHAUSTED") - counted["RESOURCE_EXHAUSTED"] == exhausted
 
 
 def test_malformed_message_bytes(mesh):

@@ -89,10 +89,8 @@ def _check(request):
 def rpc(fn):
     """Wraps a servicer method (unary or streaming): metrics by status, OmniError -> gRPC status."""
     method = fn.__name__
-    labels = dict(stage=None, method=method)
 
     def start():
-        labels["stage"] = STAGE
         INFLIGHT.labels(STAGE, method).inc()
         return time.perf_counter()
 
@@ -110,14 +108,9 @@ def rpc(fn):
             try:
                 async for item in fn(self, _check(request), context):
                     yield item
-            except grpc.aio.AbortError:
-                code = grpc.StatusCode.UNKNOWN
-                raise
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
-                code = grpc.StatusCode.CANCELLED if _is_cancel(exc) else _status_of(exc)
-                if code == grpc.StatusCode.CANCELLED:
-                    raise
-                await _abort(context, exc)
+                code = _outcome(exc)
+                await _end(context, exc)
             finally:
                 finish(t0, code, context)
         return stream
@@ -127,17 +120,23 @@ def rpc(fn):
         t0, code = start(), grpc.StatusCode.OK
         try:
             return await fn(self, _check(request), context)
-        except grpc.aio.AbortError:
-            code = grpc.StatusCode.UNKNOWN
-            raise
         except BaseException as exc:  # noqa: BLE001
-            code = grpc.StatusCode.CANCELLED if _is_cancel(exc) else _status_of(exc)
-            if code == grpc.StatusCode.CANCELLED:
-                raise
-            await _abort(context, exc)
+            code = _outcome(exc)
+            await _end(context, exc)
         finally:
             finish(t0, code, context)
     return unary
+
+
+def _outcome(exc: BaseException) -> grpc.StatusCode:
+    return grpc.StatusCode.CANCELLED if _is_cancel(exc) else _status_of(exc)
+
+
+async def _end(context, exc: BaseException) -> None:
+    """Ends the RPC with the status `exc` maps to; a caller that went away, or an abort under way, passes through."""
+    if _is_cancel(exc) or isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    await _abort(context, exc)
 
 
 def _is_cancel(exc: BaseException) -> bool:
