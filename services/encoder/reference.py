@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.model.load import load_component
+from services.model.spec import audio_tokens
 from services.runtime.errors import InvalidArgument
 
 
@@ -30,8 +31,12 @@ class EncodeJob:
 
 
 class ReferenceEncoder:
-    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto", seed: int = 0):
-        self.device, self.dtype = torch.device(device), dtype
+    """With `batch`, one tower call per step for all images and videos, and one for all audio, of every
+    request the step holds (the towers attend within each item); without, one call per item."""
+
+    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
+                 seed: int = 0, batch: bool = False):
+        self.device, self.dtype, self.batch = torch.device(device), dtype, batch
         self.vision = load_component("vision", model_dir, device, dtype, load_format, seed)
         self.audio = load_component("audio", model_dir, device, dtype, load_format, seed)
         vc = self.vision.config
@@ -58,12 +63,38 @@ class ReferenceEncoder:
 
     @torch.no_grad()
     def step(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:
+        if self.batch:
+            return self._step_batched(jobs)
         out = []
         for job in jobs:
             t0 = time.perf_counter()
             out.append((job, [self._encode(item) for item in job.items]))
             job.done, job.seconds = True, time.perf_counter() - t0
         return out
+
+    def _step_batched(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:
+        t0 = time.perf_counter()
+        items = [item for job in jobs for item in job.items]
+        encoded: dict[int, Encoded] = {}
+        visual = [i for i in items if i.kind != "audio"]
+        if visual:
+            out = self.vision(torch.cat([i.values.to(self.device, self.dtype) for i in visual]),
+                              grid_thw=torch.tensor([i.grid_thw for i in visual], device=self.device))
+            sizes = [i.grid_thw[0] * i.grid_thw[1] * i.grid_thw[2] // self.vision.spatial_merge_size**2 for i in visual]
+            taps = [d.split(sizes) for d in out.deepstack_features]
+            for n, (item, e) in enumerate(zip(visual, out.pooler_output.split(sizes))):
+                encoded[id(item)] = Encoded(e, [t[n] for t in taps])
+        audio = [i for i in items if i.kind == "audio"]
+        if audio:
+            out = self.audio(torch.cat([i.values.to(self.device, self.dtype) for i in audio], dim=1),
+                             feature_lens=torch.tensor([i.values.shape[1] for i in audio], device=self.device))
+            sizes = [audio_tokens(i.values.shape[1], self.audio.config.n_window) for i in audio]
+            for item, e in zip(audio, out.last_hidden_state.split(sizes)):
+                encoded[id(item)] = Encoded(e)
+        elapsed = time.perf_counter() - t0
+        for job in jobs:
+            job.done, job.seconds = True, elapsed
+        return [(job, [encoded[id(i)] for i in job.items]) for job in jobs]
 
     def _encode(self, item: Item) -> Encoded:
         x = item.values.to(self.device, self.dtype)

@@ -107,6 +107,8 @@ class PreprocessConfig:
 class EncoderConfig:
     replicas: list[Replica] = field(default_factory=list)
     engine: Literal["reference"] = "reference"
+    # Encode every item a step holds in one call per tower (off: one call per item).
+    batch: bool = False
 
 
 @dataclass
