@@ -47,7 +47,7 @@ def run(address: str, req: omni_pb2.GenerateRequest, speech_path: Path | None, o
             else:
                 finished = resp.finished
     out.write("\n")
-    if speech_path is not None and pcm:
+    if speech_path is not None and req.output_modalities[-1] == omni_pb2.MODALITY_AUDIO:
         speech_path.parent.mkdir(parents=True, exist_ok=True)
         with wave.open(str(speech_path), "wb") as w:
             w.setnchannels(1)
@@ -79,6 +79,8 @@ def demo_media() -> tuple[bytes, bytes]:
 def demo(address: str, speech_path: Path) -> None:
     png, wav = demo_media()
     req = request("What do you see and hear?", [png], [wav], speech=True, max_tokens=24, max_frames=40)
+    req.sampling.seed = req.talker_sampling.seed = 1  # the same demo every time
+    req.talker_sampling.ignore_eos = True  # a random-weight model's speech is otherwise cut short at random
     print(f"demo request to {address}: an image, a sound and a question; text and speech out")
     finished = run(address, req, speech_path)
     u = finished.usage

@@ -32,7 +32,9 @@ def test_launch_demo_and_ctrl_c(tiny_model, tmp_path):
             break
     log = "".join(lines)
     assert "mesh ready" in log and re.search(r"finished: FINISH_REASON_\w+, \d+ prompt \+ 24 completion tokens", log), log
-    assert (ROOT / "out" / "demo.wav").stat().st_size > 44
+    speech = float(re.search(r"completion tokens, ([\d.]+) s of speech", log).group(1))
+    assert speech > 2.5  # 40 frames of 80 ms, less each chunk's tail
+    assert (ROOT / "out" / "demo.wav").stat().st_size > 44 + 2.5 * 24000 * 2
     assert len(_stage_pids(config)) == 6  # the launcher and its five stages
     proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=60)[0]
