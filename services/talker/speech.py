@@ -37,11 +37,11 @@ class TalkerSeq:
     embeds: list[torch.Tensor] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     n_states: int = 0
-    cache: DynamicCache | None = None
+    cache: DynamicCache | None = None  # the reference engine's; the native engine's state lives in the engine
     n_cached: int = 0
     rope_delta: float = 0.0
     code0: int | None = None  # sampled, its frame not yet predicted
-    past_hidden: torch.Tensor | None = None  # [1, 1, D] talker output at the last position
+    past_hidden: torch.Tensor | None = None  # talker output at the last position ([1, 1, D] reference, [D] native)
     frames: list[list[int]] = field(default_factory=list)
     decoded: int = 0  # frames already turned into audio
     generator: torch.Generator | None = None
