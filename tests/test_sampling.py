@@ -48,3 +48,24 @@ def test_seeded_rows_repeat_and_do_not_depend_on_their_neighbours():
 
     a, b = run(5), run(6)
     assert a[0] == b[0] and a[0] == a[2] and a[3] == logits[3].argmax()
+
+
+def test_hashed_noise_rows_repeat_by_seed_and_counter_and_follow_the_distribution():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
+    logits[2] = logits[0]
+    p = SamplingParams(temperature=1.0, seed=9)
+
+    def run(neighbour_seed, counter=3):
+        params = [p, SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=neighbour_seed), p]
+        return sample_batch(logits, params, counters=[counter, 0, counter, counter + 1])
+
+    a, b = run(9), run(10)
+    assert a[0] == b[0] and a[0] == a[2]  # same seed and counter, same token, whoever the neighbours are
+    draws = {int(run(9, c)[0]) for c in range(40)}
+    assert len(draws) > 3  # the counter moves the draw on
+    # Over many counters, the draws follow the softmax.
+    small = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 20000
+    draws = sample_batch(small.expand(n, -1), [SamplingParams(temperature=1.0, seed=77)] * n, counters=list(range(n)))
+    freq = torch.bincount(draws, minlength=6).float() / n
+    assert (freq - small[0].softmax(-1)).abs().max() < 0.015

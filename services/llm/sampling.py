@@ -66,41 +66,75 @@ def sample_next(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exponential(1) noise [S, vocab] that depends only on (seed, counter, column): a row's draw is the same
+    whatever else shares its batch and on any device, with no generator object and no per-row launch."""
+    m = 0xFFFFFFFF
+    x = (seeds[:, None] * 0x2545F491 + (seeds[:, None] >> 32) * 0x6C8E9CF5 + counters[:, None] * 0x9E3779B1
+         + torch.arange(vocab, device=seeds.device)) & m
+    for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B)):  # lowbias32: every input bit moves every output bit
+        x = ((x ^ (x >> shift)) * mult) & m
+    x = x ^ (x >> 16)
+    u = ((x >> 8).float() + 0.5) * 2.0**-24  # 24 random bits, strictly inside (0, 1)
+    return -u.log()
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None,
                  seen: list[torch.Tensor | None] | None = None, generated: list[int] | None = None,
-                 suppress: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """One token per row of `logits` [B, V], with tensor ops over the batch: rows loop in Python only where a
-    request asks for something per row (a seed, a repetition penalty, a minimum length)."""
-    logits = logits.float().clone()
+                 suppress: list[torch.Tensor | None] | None = None, counters: list[int] | None = None) -> torch.Tensor:
+    """One token per row of `logits` [B, V] with tensor ops over the batch, deciding on the host which rows
+    need what (so nothing waits on the device): rows loop in Python only for a repetition penalty, a minimum
+    length or suppressed ids. A seeded row draws from `generators[i]`, or, when `counters` are given, from
+    noise hashed from (seed, counters[i]) with no generator at all."""
     b, vocab = logits.shape
     dev = logits.device
-    for i, p in enumerate(params):
+    logits = logits.float()
+    per_row = [i for i, p in enumerate(params)
+               if (seen is not None and seen[i] is not None and p.repetition_penalty != 1.0)
+               or (generated is not None and generated[i] < p.min_tokens and p.stop_token_ids)
+               or (suppress is not None and suppress[i] is not None)]
+    if per_row:
+        logits = logits.clone()  # the caller's logits stay as they were
+    for i in per_row:
+        p = params[i]
         if seen is not None and seen[i] is not None and p.repetition_penalty != 1.0:
             logits[i] = apply_repetition_penalty(logits[i], seen[i], p.repetition_penalty)
         if generated is not None and generated[i] < p.min_tokens and p.stop_token_ids:
             logits[i, list(p.stop_token_ids)] = float("-inf")
         if suppress is not None and suppress[i] is not None:
             logits[i, suppress[i]] = float("-inf")
-    temps = torch.tensor([p.temperature for p in params], device=dev)
     out = logits.argmax(-1)
-    rows = (temps > 0).nonzero()[:, 0]
-    if rows.numel() == 0:
+    picked_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not picked_rows:
         return out
-    picked = [params[i] for i in rows.tolist()]
-    scaled, order = (logits[rows] / temps[rows, None]).sort(-1, descending=True)  # [S, V], best first
-    rank = torch.arange(vocab, device=dev)
-    top_k = torch.tensor([p.top_k or vocab for p in picked], device=dev)
+    picked = [params[i] for i in picked_rows]
+    # Per-row settings in one copy each, none of which waits for the device (pageable, non-blocking).
+    ints = torch.tensor([picked_rows, [p.top_k or vocab for p in picked],
+                         [p.seed & (2**63 - 1) if counters is not None else 0 for p in picked],
+                         [counters[i] if counters is not None else 0 for i in picked_rows]], dtype=torch.long)
+    floats = torch.tensor([[p.temperature for p in picked], [p.top_p for p in picked]])
+    ints, floats = ints.to(dev, non_blocking=True), floats.to(dev, non_blocking=True)
+    rows, top_k, seeds, steps = ints
+    temps, top_p = floats
+    # Only the best max(top_k) candidates of each row can be drawn: a top-k instead of a sort of the vocabulary.
+    k = min(max(p.top_k or vocab for p in picked), vocab)
+    scaled, order = (logits[rows] / temps[:, None]).topk(k, dim=-1)  # [S, k], best first
+    rank = torch.arange(k, device=dev)
     scaled = scaled.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = scaled.softmax(-1)
-    top_p = torch.tensor([p.top_p for p in picked], device=dev)
     probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # the smallest head holding top_p
-    noise = torch.empty_like(probs)
-    shared = [j for j, i in enumerate(rows.tolist()) if generators[i] is None]
-    if shared:
-        noise[shared] = torch.empty(len(shared), vocab, device=dev).exponential_()
-    for j, i in enumerate(rows.tolist()):
-        if generators[i] is not None:
-            noise[j] = torch.empty(vocab, device=dev).exponential_(generator=generators[i])
+    noise = torch.empty_like(probs).exponential_()
+    hashed = [j for j, i in enumerate(picked_rows) if counters is not None and params[i].seed]
+    if hashed:
+        if len(hashed) == len(picked_rows):
+            noise = hashed_exponential(seeds, steps, k)  # noise per candidate rank: a draw from `probs`
+        else:
+            at = torch.tensor(hashed).to(dev, non_blocking=True)
+            noise[at] = hashed_exponential(seeds[at], steps[at], k)
+    hashed_set = set(hashed)
+    for j, i in enumerate(picked_rows):
+        if generators is not None and generators[i] is not None and j not in hashed_set:
+            noise[j] = torch.empty(k, device=dev).exponential_(generator=generators[i])
     choice = (probs / noise).argmax(-1)  # the exponential race: a draw from `probs`
     out[rows] = order.gather(-1, choice[:, None])[:, 0]
     return out
