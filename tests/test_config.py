@@ -46,3 +46,19 @@ def test_random_weights_need_no_checkpoint(tmp_path):
     data = base()
     data["model"] = {"load_format": "random"}
     assert load_config(write(tmp_path, data)).model.dir is None
+
+
+def test_overrides_apply_on_top_of_the_file_and_are_checked(tmp_path):
+    from services.runtime.config import ConfigError, load_config
+
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({"model": {"load_format": "random"}, "gateway": {"replicas": [{"port": 1, "metrics_port": 2}]},
+                                    "preprocess": {"replicas": [{"port": 3, "metrics_port": 4}]},
+                                    "encoder": {"replicas": [{"port": 5, "metrics_port": 6}]},
+                                    "thinker": {"replicas": [{"port": 7, "metrics_port": 8}]}}))
+    cfg = load_config(path, ["thinker.engine=native", "thinker.cuda_graph_max_batch=32", "model.dtype=bfloat16"])
+    assert (cfg.thinker.engine, cfg.thinker.cuda_graph_max_batch, cfg.model.dtype) == ("native", 32, "bfloat16")
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
+        load_config(path, ["thinker.cuda_graph_max_batch=many"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(path, ["thinker.engine"])

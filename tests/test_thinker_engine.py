@@ -124,3 +124,15 @@ def test_a_request_larger_than_the_cache_is_refused(tiny_model, reference):
     engine = NativeThinker(tiny_model, kv_blocks=4, block_size=4)
     with pytest.raises(ResourceExhausted, match="more than the KV cache holds"):
         engine.add(thinker_seq(reference, CASES["text"], 8))
+
+
+def test_compiled_layers_give_the_same_tokens(tiny_model, reference, expected):
+    from services.llm.layers import fuse
+
+    engine = NativeThinker(tiny_model, moe="grouped", compile=True)
+    try:
+        seqs = [thinker_seq(reference, CASES[name], N) for name in ("text", "image")]
+        run_staggered(engine, seqs)
+        assert [s.generated for s in seqs] == [expected["text"], expected["image"]]
+    finally:
+        fuse(False)  # the layers' functions are per process: give the other tests the eager ones back

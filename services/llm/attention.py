@@ -4,6 +4,7 @@
 slots, then attends each sequence over its own pages with PyTorch's SDPA, as transformers does.
 """
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -60,3 +61,14 @@ class TorchAttention:
             out[row:row + s.n] = o[0].transpose(0, 1)
             row += s.n
         return out
+
+
+def pick_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """auto: flashinfer on a GPU in 16-bit precision when it is installed, PyTorch's reference otherwise."""
+    if name != "auto":
+        if name == "flashinfer" and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
+            raise ValueError(f"attention: flashinfer needs a GPU and bfloat16 or float16, not {device.type} / {dtype}")
+        return name
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "torch"
+    return "flashinfer" if importlib.util.find_spec("flashinfer") else "torch"

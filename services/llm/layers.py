@@ -16,9 +16,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 class MRope(nn.Module):
@@ -47,6 +51,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
+    """QK-norm attention's weights; DecoderLayer runs it in parts (projections, the backend's kernel, output)."""
+
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, layer: int):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.layer = heads, kv_heads, head_dim, layer
@@ -57,13 +63,52 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]  # N = tokens of the step, all sequences
-        q = rotate(self.q_norm(self.q_proj(x).view(n, self.heads, self.head_dim)), cos, sin)
-        k = rotate(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        out = get_context().attention.forward(self.layer, q, k, v)  # [N, heads, D]
-        return self.o_proj(out.reshape(n, -1))
+    def qkv(self, x: torch.Tensor, norm: "RMSNorm", cos: torch.Tensor, sin: torch.Tensor):
+        return OPS["pre_attention"](x, norm.weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                    self.q_norm.weight, self.k_norm.weight, cos, sin, norm.eps, self.heads, self.kv_heads,
+                                    self.head_dim)
+
+
+def pre_attention(x, norm_w, q_w, k_w, v_w, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """Input norm, q/k/v projections, QK-norm and rotary embedding: [N, H] -> q [N, heads, D], k and v [N, kv_heads, D]."""
+    n = x.shape[0]  # N = tokens of the step, all sequences
+    h = rms_norm(x, norm_w, eps)
+    q = rotate(rms_norm(F.linear(h, q_w).view(n, heads, head_dim), qn_w, eps), cos, sin)
+    k = rotate(rms_norm(F.linear(h, k_w).view(n, kv_heads, head_dim), kn_w, eps), cos, sin)
+    return q, k, F.linear(h, v_w).view(n, kv_heads, head_dim)
+
+
+def post_attention(x, attn, o_w, norm_w, eps: float):
+    """Output projection and residual, then the MLP's input norm: returns (residual stream, normed)."""
+    x = x + F.linear(attn, o_w)
+    return x, rms_norm(x, norm_w, eps)
+
+
+def route(x, gate_w, top_k: int, norm_topk: bool):
+    """Top-k experts per token and their weights (renormalised when `norm_topk`), in x's dtype."""
+    logits = F.linear(x, gate_w)  # [N, E]
+    probs = logits.softmax(-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k]
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights.to(logits.dtype)
+
+
+# The layers' pure tensor functions; `fuse()` swaps in compiled versions (elementwise chains fused by inductor).
+OPS = {"pre_attention": pre_attention, "post_attention": post_attention, "route": route}
+
+
+def fuse(enabled: bool = True) -> None:
+    """Compiles the layers' tensor functions (and the grouped experts) once per process, shapes dynamic: a
+    step's tens of small kernels per layer become a few. Attention kernels and the KV writes stay outside."""
+    import torch._inductor.config as inductor
+
+    from services.llm import moe
+
+    inductor.emulate_precision_casts = True  # round where eager rounds (to bf16 between ops): the same numbers
+    for name, fn in (("pre_attention", pre_attention), ("post_attention", post_attention), ("route", route)):
+        OPS[name] = torch.compile(fn, dynamic=True) if enabled else fn
+    moe.OPS["grouped"] = torch.compile(moe.grouped, dynamic=True) if enabled else moe.grouped
 
 
 class Router(nn.Module):
@@ -109,12 +154,8 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate.weight)  # [N, E]
-        probs = logits.softmax(-1, dtype=torch.float)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
-        out = self.experts(x, ids, weights.to(logits.dtype))  # a module: quantisation swaps it (services/llm/fp8.py)
+        ids, weights = OPS["route"](x, self.gate.weight, self.top_k, self.norm_topk)
+        out = self.experts(x, ids, weights)  # a module: quantisation swaps it (services/llm/fp8.py)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -136,5 +177,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn
+        q, k, v = attn.qkv(x, self.input_layernorm, cos, sin)
+        out = get_context().attention.forward(attn.layer, q, k, v)  # [N, heads, D]
+        norm = self.post_attention_layernorm
+        x, h = OPS["post_attention"](x, out.reshape(x.shape[0], -1), attn.o_proj.weight, norm.weight, norm.eps)
+        return x + self.mlp(h)

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 backend: str = "loop") -> torch.Tensor:
     """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H]."""
-    if backend == "grouped":
-        return grouped(x, ids, weights, gate_up, down)
+    if backend == "grouped":  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
+        return (OPS["grouped"] if x.dtype == torch.bfloat16 else grouped)(x, ids, weights, gate_up, down)
     return loop(x, ids, weights, gate_up, down)
 
 
@@ -29,9 +29,13 @@ def grouped(x, ids, weights, gate_up, down):
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)  # rows grouped by expert: T*k rows, E groups
     tok = order // k
-    offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)  # not bincount: it asks the device for its size, which no graph can capture
     h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T*k, H]
     y = y * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+
+OPS = {"grouped": grouped}  # services.llm.layers.fuse() compiles it

@@ -126,11 +126,19 @@ class LMStageConfig:
     moe: Literal["loop", "grouped"] = "loop"
     # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile; off: the model's dtype.
     fp8_experts: Literal["off", "channel", "block"] = "off"
+    # Attention kernels: flashinfer (GPU, 16-bit), PyTorch's SDPA (anywhere), or auto: flashinfer where it can run.
+    attention: Literal["auto", "torch", "flashinfer"] = "auto"
+    # Decode steps of up to this many sequences replay CUDA graphs (flashinfer attention and grouped experts
+    # only); 0: every step runs eagerly.
+    cuda_graph_max_batch: int = 0
+    # Compile the layers' elementwise work (norms, rotary, routing, experts glue) into fused kernels.
+    compile: bool = False
 
     @property
     def native_args(self) -> dict:
         return dict(block_size=self.block_size, kv_blocks=self.kv_blocks, max_batched_tokens=self.max_batched_tokens,
-                    max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts)
+                    max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts, attention=self.attention,
+                    cuda_graph_max_batch=self.cuda_graph_max_batch, compile=self.compile)
 
 
 @dataclass
@@ -221,6 +229,18 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def load_config(path: str | Path) -> MeshConfig:
+def load_config(path: str | Path, overrides: list[str] = ()) -> MeshConfig:
+    """The config at `path`, with `section.key=value` overrides (values in YAML) applied on top."""
     data = yaml.safe_load(Path(path).read_text()) or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(value)
     return _coerce(MeshConfig, data, Path(path).name).validate()

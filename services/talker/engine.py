@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.llm.attention import SeqSlice, TorchAttention
+from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import FP8_BLOCK, quantize_experts_
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
+from services.llm.layers import fuse
 from services.llm.sampling import SamplingParams, sample_batch
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
@@ -40,7 +41,9 @@ class NativeTalker(SpeechEngine):
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
-                 fp8_experts: str = "off"):
+                 fp8_experts: str = "off", attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False):
+        if compile:
+            fuse()
         config = load_config(model_dir)
         with torch.device(device), _default_dtype(dtype):
             talker = TalkerModel(config.talker_config)
@@ -53,10 +56,17 @@ class NativeTalker(SpeechEngine):
         blocks = kv_blocks or self._fitting_blocks(text, block_size)
         self.cache = KVCache.allocate(text.num_hidden_layers, blocks, block_size, text.num_key_value_heads, text.head_dim, dtype, self.device)
         self.scheduler = Scheduler(BlockAllocator(blocks), block_size, max_batched_tokens, max_seqs)
-        self.attention = TorchAttention(self.cache, text.head_dim ** -0.5)
         # The predictor's keys for one frame: a block of num_code_groups positions per request, reused every frame.
         self.cp_cache = KVCache.allocate(cp.num_hidden_layers, max_seqs, self.groups, cp.num_key_value_heads, cp.head_dim, dtype, self.device)
-        self.cp_attention = TorchAttention(self.cp_cache, cp.head_dim ** -0.5)
+        self.attention_backend = pick_backend(attention, self.device, dtype)
+        if self.attention_backend == "flashinfer":
+            from services.llm.flashinfer_attention import WORKSPACE_BYTES, FlashInferAttention
+            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # shared: runs never overlap
+            self.attention = FlashInferAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads, workspace)
+            self.cp_attention = FlashInferAttention(self.cp_cache, cp.head_dim ** -0.5, cp.num_attention_heads, workspace)
+        else:
+            self.attention = TorchAttention(self.cache, text.head_dim ** -0.5)
+            self.cp_attention = TorchAttention(self.cp_cache, cp.head_dim ** -0.5)
         self.moe = moe
         self.states: dict[int, TalkerState] = {}
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services.llm.attention import SeqSlice, TorchAttention
-from services.llm.fp8 import FP8_BLOCK, quantize_experts_
+from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
+from services.llm.fp8 import FP8_BLOCK, quantize_experts_
 from services.llm.kv_cache import BlockAllocator, KVCache
+from services.llm.layers import fuse
 from services.llm.sampling import sample_batch
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
@@ -27,8 +28,11 @@ class ThinkerState(SeqState):
 class NativeThinker:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
-                 max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off"):
+                 max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", attention: str = "auto",
+                 cuda_graph_max_batch: int = 0, compile: bool = False):
         self.device, self.dtype = torch.device(device), dtype
+        if compile:
+            fuse()
         config = load_config(model_dir)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = ThinkerModel(config.thinker_config)
@@ -40,19 +44,51 @@ class NativeThinker:
         tc = config.thinker_config.text_config
         self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
         self.vocab, self.hidden_size = tc.vocab_size, tc.hidden_size
-        blocks = kv_blocks or self._fitting_blocks(tc, block_size)
-        self.cache = KVCache.allocate(tc.num_hidden_layers, blocks, block_size, tc.num_key_value_heads, tc.head_dim, dtype, self.device)
-        self.scheduler = Scheduler(BlockAllocator(blocks), block_size, max_batched_tokens, max_seqs)
-        self.attention = TorchAttention(self.cache, tc.head_dim ** -0.5)
         self.moe = moe
+        self.attention_backend = pick_backend(attention, self.device, dtype)
+        workspace = None
+        if self.attention_backend == "flashinfer":
+            from services.llm.flashinfer_attention import WORKSPACE_BYTES
+            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        blocks = kv_blocks or self._fitting_blocks(tc, block_size)
+        # One block more than the allocator hands out: padding rows of captured steps write there.
+        self.cache = KVCache.allocate(tc.num_hidden_layers, blocks + 1, block_size, tc.num_key_value_heads, tc.head_dim, dtype, self.device)
+        self.scheduler = Scheduler(BlockAllocator(blocks), block_size, max_batched_tokens, max_seqs)
+        scale, heads = tc.head_dim ** -0.5, tc.num_attention_heads
+        if self.attention_backend == "flashinfer":
+            from services.llm.flashinfer_attention import FlashInferAttention
+            self.attention = FlashInferAttention(self.cache, scale, heads, workspace)
+        else:
+            self.attention = TorchAttention(self.cache, scale)
         self.states: dict[int, SeqState] = {}
+        self.graphs, self.graph_replays = None, 0
+        if cuda_graph_max_batch and self.attention_backend == "flashinfer" and moe == "grouped" and fp8_experts != "block":
+            self._capture(min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace)
+
+    def _capture(self, max_batch: int, scratch: int, scale: float, heads: int, workspace) -> None:
+        """Decode steps as CUDA graphs: token ids and positions in, layer-0 embeddings, the talker's states
+        and logits out, for every batch size of the ladder."""
+        from services.llm.flashinfer_attention import DecodeAttention
+        from services.llm.graphs import DecodeGraphs, ladder
+
+        self.decode_inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)  # ids, positions
+
+        def body(b: int, attention):
+            ids, pos = self.decode_inputs[0, :b], self.decode_inputs[1, :b]
+            with step_context(attention, self.moe):
+                embeds = self.model.model.embed_tokens(ids)
+                hidden, captured = self.model(embeds, pos.float().expand(3, -1), capture_layer=self.accept_layer)
+                return embeds, captured, self.model.lm_head(hidden)
+
+        self.graphs = DecodeGraphs(ladder(max_batch), lambda b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace),
+                                   body, self.device)
 
     def _fitting_blocks(self, tc, block_size: int) -> int:
         per_block = KVCache.bytes_per_block(tc.num_hidden_layers, block_size, tc.num_key_value_heads, tc.head_dim, self.dtype)
         if self.device.type != "cuda":
             return max(64, (1 << 30) // per_block)  # 1 GiB on the CPU
         free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * 0.85) // per_block  # what the weights left, minus room for activations
+        return int(free * 0.85) // per_block - 1  # what the weights left, minus room for activations and graphs
 
     @property
     def capacity(self) -> int:
@@ -65,7 +101,6 @@ class NativeThinker:
         need = len(seq.prompt_ids) + seq.params.max_tokens
         if need > self.capacity:
             raise ResourceExhausted(f"prompt + max_tokens = {need} tokens is more than the KV cache holds ({self.capacity})")
-        seq.generator = seq.params.generator(self.device)
         state = ThinkerState(tokens=seq.prompt_ids.tolist(), owner=seq)
         self.states[id(seq)] = state
         self.scheduler.add(state)
@@ -82,16 +117,21 @@ class NativeThinker:
     def step(self, seqs: list[ThinkerSeq]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
         """One forward over what the scheduler picks from every request added (not only `seqs`)."""
         t0 = time.perf_counter()
+        self.last_wait_s = 0.0
         work = self.scheduler.schedule()
         if not work:
             return []
-        embeds, positions, ds_rows, ds_values = self._inputs(work)
-        capture = self.accept_layer if any(w.seq.owner.return_states for w in work) else None
-        with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
-            hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
-        self.scheduler.advance(work)
-        out = self._outputs(work, embeds, hidden, captured)
+        if self._graphable(work):
+            out = self._graph_step(work)
+        else:
+            embeds, positions, ds_rows, ds_values = self._inputs(work)
+            capture = self.accept_layer if any(w.seq.owner.return_states for w in work) else None
+            with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
+                hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
+            self.scheduler.advance(work)
+            out = self._outputs(work, embeds, captured, lambda rows: self.model.lm_head(hidden[rows]))
         elapsed = time.perf_counter() - t0
+        self.last_host_s = elapsed - self.last_wait_s  # the step's own work on the CPU, the device's wait excluded
         for w in work:
             if w.start < len(w.seq.owner.prompt_ids):
                 w.seq.owner.prefill_seconds += elapsed
@@ -100,6 +140,32 @@ class NativeThinker:
         return out
 
     # -- one step ----------------------------------------------------------------------------------
+
+    def _graphable(self, work: list[Work]) -> bool:
+        """Every sequence decodes one token it generated (no prompt rows, which may carry media)."""
+        return (self.graphs is not None and len(work) <= self.graphs.max_batch
+                and all(w.n == 1 and w.start >= len(w.seq.owner.prompt_ids) for w in work))
+
+    def _graph_step(self, work: list[Work]):
+        b = self.graphs.size_for(len(work))
+        host = torch.zeros(2, b, dtype=torch.long)
+        host[0, :len(work)] = torch.tensor([w.seq.tokens[w.start] for w in work])
+        host[1, :len(work)] = torch.tensor([w.start + w.seq.owner.rope_delta for w in work])
+        self.decode_inputs[:, :b].copy_(host, non_blocking=True)
+        embeds, captured, logits = self.graphs.replay([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
+        self.graph_replays += 1
+        self.scheduler.advance(work)
+        if captured is not None:  # the graph's outputs are overwritten by its next replay
+            rows = [i for i, w in enumerate(work) if w.seq.owner.return_states]
+            embeds, captured = self._detached(embeds, rows), self._detached(captured, rows)
+        return self._outputs(work, embeds, captured, lambda rows: logits[:len(work)] if len(rows) == len(work) else logits[rows])
+
+    @staticmethod
+    def _detached(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        out = torch.zeros_like(t)
+        if rows:
+            out[rows] = t[rows]
+        return out
 
     def _inputs(self, work: list[Work]):
         """Input embeddings [N, H] (multimodal rows from their spans), positions [3, N], DeepStack rows and values."""
@@ -132,7 +198,7 @@ class NativeThinker:
             ds_rows = torch.cat(ds_rows).to(self.device)
         return torch.cat(embeds), torch.cat(positions, dim=1).to(self.device), ds_rows if deepstack else None, deepstack
 
-    def _outputs(self, work: list[Work], embeds, hidden, captured) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+    def _outputs(self, work: list[Work], embeds, captured, logits_of) -> list[tuple[ThinkerSeq, ThinkerStep]]:
         ends, row = [], 0
         for w in work:
             row += w.n
@@ -140,12 +206,15 @@ class NativeThinker:
                 ends.append((w, row - 1))
         sampled = {}
         if ends:
-            logits = self.model.lm_head(hidden[[r for _, r in ends]])
+            logits = logits_of([r for _, r in ends])
             owners = [w.seq.owner for w, _ in ends]
             seen = [torch.tensor(w.seq.tokens, device=self.device) if s.params.repetition_penalty != 1.0 else None
                     for (w, _), s in zip(ends, owners)]
-            tokens = sample_batch(logits, [s.params for s in owners], [s.generator for s in owners], seen,
-                                  [len(s.generated) for s in owners]).tolist()
+            generated = [len(s.generated) for s in owners]
+            chosen = sample_batch(logits, [s.params for s in owners], None, seen, generated, counters=generated)
+            t_wait = time.perf_counter()
+            tokens = chosen.tolist()  # the step's one wait on the device
+            self.last_wait_s = time.perf_counter() - t_wait
             sampled = {id(w): t for (w, _), t in zip(ends, tokens)}
         out, row = [], 0
         for w in work:
@@ -169,3 +238,4 @@ class NativeThinker:
             if step.token_ids or step.embeds is not None or step.token_embeds is not None:
                 out.append((seq, step))
         return out
+

@@ -1,0 +1,115 @@
+"""Attention over the paged KV cache through flashinfer (GPU).
+
+`FlashInferAttention` serves any step: prefill chunks and decode tokens together, through the batch prefill
+kernel over pages, planned once per step (causal, aligned to each sequence's end, so a chunk sees the
+sequence's cached prefix). `DecodeAttention` serves a captured decode graph of a fixed batch size: its
+buffers (page table, slots) keep their addresses, and `plan()` refills them before each replay.
+Both write the step's keys and values into their slots first, as `TorchAttention` does.
+"""
+
+import torch
+
+from services.llm.attention import SeqSlice
+from services.llm.kv_cache import KVCache
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def _page_table(slices: list[SeqSlice], block_size: int):
+    """flashinfer's page table for the sequences of a step (host lists): indptr, page ids, last page lengths."""
+    indptr, indices, last = [0], [], []
+    for s in slices:
+        total = s.cached + s.n
+        pages = -(-total // block_size)
+        indices.extend(s.block_table[:pages])
+        indptr.append(len(indices))
+        last.append(total - (pages - 1) * block_size)
+    return indptr, indices, last
+
+
+def _slots(slices: list[SeqSlice], block_size: int) -> list[int]:
+    out = []
+    for s in slices:
+        table = s.block_table
+        out.extend(table[p // block_size] * block_size + p % block_size for p in range(s.cached, s.cached + s.n))
+    return out
+
+
+class _Writer:
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc.view(-1, *kc.shape[2:])[slots] = k
+        vc.view(-1, *vc.shape[2:])[slots] = v
+        return kc, vc
+
+
+class FlashInferAttention(_Writer):
+    def __init__(self, cache: KVCache, scale: float, heads: int, workspace: torch.Tensor | None = None):
+        import flashinfer
+
+        super().__init__(cache)
+        self.scale, self.heads = scale, heads
+        dev = cache.k.device
+        self.workspace = workspace if workspace is not None else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.slot_mapping = None
+
+    def plan(self, slices: list[SeqSlice]) -> "FlashInferAttention":
+        bs = self.cache.block_size
+        indptr, indices, last = _page_table(slices, bs)
+        qo = [0]
+        for s in slices:
+            qo.append(qo[-1] + s.n)
+        i32 = dict(dtype=torch.int32)
+        kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
+        self.wrapper.plan(torch.tensor(qo, **i32), torch.tensor(indptr, **i32), torch.tensor(indices, **i32),
+                          torch.tensor(last, **i32), self.heads, kv_heads, head_dim, bs, causal=True, sm_scale=self.scale,
+                          q_data_type=self.cache.k.dtype, kv_data_type=self.cache.k.dtype)
+        self.slot_mapping = torch.tensor(_slots(slices, bs), dtype=torch.long).to(self.cache.k.device, non_blocking=True)
+        return self
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.wrapper.run(q, self.write(layer, k, v, self.slot_mapping))
+
+
+class DecodeAttention(_Writer):
+    """One token per sequence for exactly `batch` sequences (rows past the real ones are padding: they write
+    to and read from `scratch_block`, which no sequence owns)."""
+
+    def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor):
+        import flashinfer
+
+        super().__init__(cache)
+        self.scale, self.heads, self.batch, self.scratch = scale, heads, batch, scratch_block
+        dev = cache.k.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.indptr = torch.zeros(batch + 1, **i32)
+        self.indices = torch.zeros(cache.k.shape[1], **i32)
+        self.last = torch.zeros(batch, **i32)
+        self.slot_mapping = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=self.indptr,
+            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
+
+    def plan(self, slices: list[SeqSlice]) -> "DecodeAttention":
+        """Page table and slots for `slices` (at most `batch`, one token each), padded to `batch`."""
+        bs = self.cache.block_size
+        pad = self.batch - len(slices)
+        indptr, indices, last = _page_table(slices, bs)
+        indptr += [indptr[-1] + 1 + i for i in range(pad)]
+        indices += [self.scratch] * pad
+        last += [1] * pad
+        slots = _slots(slices, bs) + [self.scratch * bs] * pad
+        i32 = dict(dtype=torch.int32)
+        kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
+        self.wrapper.plan(torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32),
+                          self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
+                          kv_data_type=self.cache.k.dtype, sm_scale=self.scale)
+        self.slot_mapping.copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        return self
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.wrapper.run(q, self.write(layer, k, v, self.slot_mapping))
