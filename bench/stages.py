@@ -3,7 +3,8 @@
     python -m bench.stages --config configs/bench-1xh200.yaml --out bench/results/NAME-stages.json
 
 thinker: prefill and decode tok/s by batch (sequences per `step()` call) and prompt length, step time and
-  host time per step (the part of a step not covered by device kernels; all of it on the CPU);
+  host time per step (the engine's own count where it keeps one, else the part of a step not covered by
+  device kernels); hf-thinker: the same cells from transformers' batched generate();
 talker: frames/s by batch, fed synthetic thinker states, and its split into talker / code predictor / code2wav;
 encoder: items/s for an image and a clip; preprocess: the same items decoded on the CPU.
 Each stage runs on its config replica's device unless --device says otherwise.
@@ -91,16 +92,72 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                     engine.step(seqs)
 
             prefill_s, _ = timed(prefill, dev)
-            walls = [timed(lambda: engine.step(seqs), dev)[0] for _ in range(steps)]
+            walls, hosts = [], []
+            for _ in range(steps):
+                walls.append(timed(lambda: engine.step(seqs), dev)[0])
+                hosts.append(getattr(engine, "last_host_s", None))
             dev_ms = device_ms(lambda: engine.step(seqs), dev)
             step_ms = 1000 * statistics.median(walls)
             for s in seqs:
                 engine.free(s)
-            yield {"stage": "thinker", "mode": "prefill", "batch": b, "prompt_len": length, "seconds": prefill_s,
-                   "tok_per_s": b * length / prefill_s, "step_ms": 1000 * prefill_s}
-            yield {"stage": "thinker", "mode": "decode", "batch": b, "prompt_len": length, "steps": steps,
-                   "seconds": sum(walls), "tok_per_s": b * steps / sum(walls), "step_ms": step_ms,
-                   "device_ms_per_step": dev_ms, "host_ms_per_step": host_ms(step_ms, dev_ms, dev)}
+            yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": "prefill", "batch": b, "prompt_len": length,
+                   "seconds": prefill_s, "tok_per_s": b * length / prefill_s, "step_ms": 1000 * prefill_s}
+            # Host time: the engine's own count where it keeps one (its step minus its wait on the device).
+            host = 1000 * statistics.median(hosts) if None not in hosts else host_ms(step_ms, dev_ms, dev)
+            yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": "decode", "batch": b, "prompt_len": length,
+                   "steps": steps, "seconds": sum(walls), "tok_per_s": b * steps / sum(walls), "step_ms": step_ms,
+                   "device_ms_per_step": dev_ms, "host_ms_per_step": host}
+
+
+def hf_thinker_cells(cfg: MeshConfig, device: str, args):
+    """transformers' own generate() on its thinker, batched (same prompt lengths, no padding needed): prefill
+    is the time to the first token, decode the rest."""
+    from transformers import logging
+    from transformers.generation.streamers import BaseStreamer
+    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from services.model.load import load_config
+
+    logging.set_verbosity_error()
+    dtype, dev = DTYPES[cfg.model.dtype], torch.device(device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with dev:  # transformers' own random init, on the device: speed does not depend on the values
+            model = Qwen3OmniMoeThinkerForConditionalGeneration(load_config(cfg.model.dir).thinker_config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+    class Times(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = model.config.text_config.vocab_size
+    sampling = dict(do_sample=True, temperature=THINKER_SAMPLING["temperature"], top_p=THINKER_SAMPLING["top_p"],
+                    top_k=THINKER_SAMPLING["top_k"])
+    for length in args.prompt_lens:
+        for b in args.hf_batches:
+            ids = torch.randint(0, vocab, (b, length), generator=gen).to(dev)
+            times = Times()
+            torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.decode_steps + 1,
+                               min_new_tokens=args.decode_steps + 1, streamer=times, **sampling)
+            first, last = times.times[1], times.times[-1]  # times[0]: the prompt
+            steps = len(times.times) - 2
+            yield {"stage": "thinker", "engine": "transformers-generate", "mode": "prefill", "batch": b, "prompt_len": length,
+                   "seconds": first - t0, "tok_per_s": b * length / (first - t0), "step_ms": 1000 * (first - t0)}
+            yield {"stage": "thinker", "engine": "transformers-generate", "mode": "decode", "batch": b, "prompt_len": length,
+                   "steps": steps, "seconds": last - first, "tok_per_s": b * steps / (last - first),
+                   "step_ms": 1000 * (last - first) / steps}
 
 
 def talker_cells(cfg: MeshConfig, device: str, args):
@@ -188,7 +245,7 @@ def encoder_cells(cfg: MeshConfig, device: str, args):
                    "items_per_s": b / seconds, "step_ms": 1000 * seconds}
 
 
-STAGES = {"thinker": (thinker_cells, "thinker"), "talker": (talker_cells, "talker"),
+STAGES = {"thinker": (thinker_cells, "thinker"), "hf-thinker": (hf_thinker_cells, "thinker"), "talker": (talker_cells, "talker"),
           "encoder": (encoder_cells, "encoder"), "preprocess": (preprocess_cells, None)}
 
 
@@ -199,11 +256,14 @@ def ints(text: str) -> list[int]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="mesh config: model, dtype, load format, seed, devices, talker chunking")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override, e.g. thinker.engine=native (repeatable)")
     p.add_argument("--out", required=True)
     p.add_argument("--stages", default="thinker,talker,encoder,preprocess")
     p.add_argument("--device", default="", help="run every stage here; default: each stage's first replica's device")
     p.add_argument("--batches", type=ints, default=[1, 8, 32, 64], help="thinker and talker sequences per step")
     p.add_argument("--prompt-lens", type=ints, default=[512, 4096])
+    p.add_argument("--hf-batches", type=ints, default=[1, 8, 32], help="batches of transformers' generate() (hf-thinker)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--frames", type=int, default=16, help="talker frames per sequence")
     p.add_argument("--talker-prompt-bytes", type=int, default=32)
@@ -218,11 +278,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     if cfg.model.dir and not (cfg.model.dir / "config.json").exists():
         raise SystemExit(f"no model folder at {cfg.model.dir}: python -m services.model.build full {cfg.model.path}")
     deadline = time.perf_counter() + args.max_minutes * 60 if args.max_minutes else None
-    config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text())}
+    config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text()), "overrides": args.set}
     command = "python -m bench.stages " + shlex.join(sys.argv[1:] if argv is None else argv)
     result = results.new_result("stages", config, results.model_info(cfg.model.dir, cfg.model), {"command": command, "args": vars(args)})
     result["machine"] = results.machine()
