@@ -4,6 +4,7 @@
  "config": {"path", "content", ...}, "model": {...}, "run": {...}, "cells": [{...}, ...]}
 """
 
+import hashlib
 import json
 import os
 import platform
@@ -34,8 +35,26 @@ def _git(*args: str) -> str:
         return ""
 
 
+SOURCE_DIRS = ("services", "bench", "configs", "omni", "protos")
+
+
+def source_digest() -> str:
+    """sha256 over the code that ran (tracked and untracked files of the source folders, results excluded):
+    a run made from a copied working tree whose git metadata is stale still names its code exactly
+    (`python -c "from bench.results import source_digest; print(source_digest())"` on a checkout to match)."""
+    files = set((_git("ls-files", *SOURCE_DIRS) or "").splitlines())
+    files |= set((_git("ls-files", "--others", "--exclude-standard", *SOURCE_DIRS) or "").splitlines())
+    h = hashlib.sha256()
+    for name in sorted(f for f in files if f and not f.startswith("bench/results/")):
+        path = REPO_ROOT / name
+        if path.is_file():
+            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def git_state() -> dict:
-    return {"git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    return {"git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "source_digest": source_digest()}
 
 
 def gpus() -> list[dict]:

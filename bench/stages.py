@@ -58,6 +58,11 @@ def device_ms(fn, device: torch.device) -> float | None:
         return None
 
 
+def alloc_retries(device: torch.device) -> int:
+    """Times the CUDA caching allocator ran out, freed its cache and tried again (each one waits on the device)."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
 def host_ms(step_ms: float, dev_ms: float | None, device: torch.device) -> float | None:
     """The part of a step the device spent waiting on the host: all of it on the CPU, unknown without a profile."""
     if device.type != "cuda":
@@ -91,6 +96,7 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 while any(not s.generated for s in seqs):
                     engine.step(seqs)
 
+            retries = alloc_retries(dev)
             prefill_s, _ = timed(prefill, dev)
             walls, hosts = [], []
             for _ in range(steps):
@@ -106,7 +112,7 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
             host = 1000 * statistics.median(hosts) if None not in hosts else host_ms(step_ms, dev_ms, dev)
             yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": "decode", "batch": b, "prompt_len": length,
                    "steps": steps, "seconds": sum(walls), "tok_per_s": b * steps / sum(walls), "step_ms": step_ms,
-                   "device_ms_per_step": dev_ms, "host_ms_per_step": host}
+                   "device_ms_per_step": dev_ms, "host_ms_per_step": host, "alloc_retries": alloc_retries(dev) - retries}
 
 
 def hf_thinker_cells(cfg: MeshConfig, device: str, args):

@@ -88,7 +88,9 @@ class NativeThinker:
         if self.device.type != "cuda":
             return max(64, (1 << 30) // per_block)  # 1 GiB on the CPU
         free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * 0.85) // per_block - 1  # what the weights left, minus room for activations and graphs
+        # What the weights left, minus room for activations, graphs and sampling: an allocator that runs out
+        # frees its cache and retries on every step, which costs more than the blocks are worth.
+        return int(min(free * 0.8, free - (8 << 30))) // per_block - 1
 
     @property
     def capacity(self) -> int:
