@@ -178,3 +178,37 @@ def test_encodes_are_routed_by_output_modality(mesh):
     after = [metric(p, "omni_requests_total", method="Encode") for p in ports]
     # Replica 0 is preferred for text output, replica 1 for audio output (see conftest.write_config).
     assert [a - b for a, b in zip(after, before)] == [2, 2]
+
+
+def test_every_stage_reports_its_load(any_mesh):
+    """The Load service of each real stage process: the thinker counts a request while it streams."""
+    import threading
+
+    from omni.stage.v1 import load_pb2, load_pb2_grpc
+
+    def report(stage: str, i: int = 0):
+        with grpc.insecure_channel(any_mesh.cfg.replicas(stage)[i].address) as ch:
+            return load_pb2_grpc.LoadStub(ch).Get(load_pb2.LoadRequest(), timeout=10)
+
+    for stage in any_mesh.cfg.STAGES:
+        for i in range(len(any_mesh.cfg.replicas(stage))):
+            r = report(stage, i)
+            assert (r.stage, r.replica) == (stage, i)
+    idle = report("thinker")
+    req = omni_pb2.GenerateRequest(messages=[omni_pb2.Message(role=omni_pb2.ROLE_USER, parts=[omni_pb2.Part(text="Count.")])],
+                                   sampling=omni_pb2.SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0))
+    seen, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(report("thinker"))
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        generate(any_mesh.gateway_address, req)
+    finally:
+        stop.set()
+        t.join()
+    assert idle.in_flight == 0 and idle.active == 0
+    assert max(r.in_flight for r in seen) >= 1 and max(r.active for r in seen) >= 1

@@ -24,3 +24,40 @@ def test_prefers_by_modality_then_falls_back_to_the_least_loaded():
         await plain.close()
 
     asyncio.run(body())
+
+
+def test_routes_by_what_replicas_report_and_around_one_that_does_not_answer():
+    """Two real gRPC servers answering Load (one busy with other callers' work) and an address nobody serves."""
+    import grpc
+
+    from conftest import free_ports
+    from omni.stage.v1 import load_pb2
+    from services.runtime.server import LoadServicer, add_service
+
+    async def body():
+        ports = free_ports(3)
+        busy = {"n": 5}
+        servers = []
+        for i, in_flight in enumerate((lambda: busy["n"], lambda: 0)):
+            server = grpc.aio.server()
+            add_service(server, LoadServicer("encoder", i, lambda: {"queued": 1, "active": 2, "kv_used": 0.5}, in_flight),
+                        load_pb2.DESCRIPTOR.services_by_name["Load"])
+            server.add_insecure_port(f"127.0.0.1:{ports[i]}")
+            await server.start()
+            servers.append(server)
+        r = Router([Replica(port=ports[0], prefer_for=["text"]), Replica(port=ports[1]), Replica(port=ports[2])],
+                   stub_cls=lambda ch: None, by_modality=True, poll_s=0.05)
+        a, b, dead = r.endpoints
+        await r.poll_once()
+        assert (a.reported, a.kv_used, b.reported) == (5, 0.5, 0) and not dead.reachable
+        assert r.pick("text") is b  # the preferred replica is busy with work this gateway never sent
+        assert all(r.pick() is b for _ in range(3))  # never the one that does not answer, while another does
+        busy["n"] = 0
+        r.pick()  # starts the poller
+        await asyncio.sleep(0.3)
+        assert a.reported == 0 and r.pick("text") is a
+        await r.close()
+        for s in servers:
+            await s.stop(None)
+
+    asyncio.run(body())

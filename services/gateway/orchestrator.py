@@ -73,11 +73,13 @@ class Gateway:
         self.cfg = cfg
         self.spec = OmniSpec.load(cfg.model.dir)
         self.prompts = PromptBuilder(cfg.model.dir, self.spec)
-        self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub)
-        self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub, by_modality=cfg.gateway.encoder_routing == "modality")
-        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub)
+        poll = cfg.gateway.load_poll_ms / 1000
+        self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub, poll_s=poll)
+        self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub,
+                               by_modality=cfg.gateway.encoder_routing == "modality", poll_s=poll)
+        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub, poll_s=poll)
         has_talker = bool(cfg.talker.replicas) and self.spec.has_talker
-        self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub) if has_talker else None
+        self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub, poll_s=poll) if has_talker else None
         self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions
         self.tts_ids = [self.spec.raw[k] for k in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")]
 

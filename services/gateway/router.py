@@ -1,14 +1,21 @@
 """Which replica of a stage takes a call: by the request's output modality where replicas say what
-they are preferred for, then by load (calls in flight from this gateway)."""
+they are preferred for, then by load. Load is the larger of this gateway's own calls in flight (fresh the
+moment it picks) and what the replica last reported through its Load service (every caller's work, polled
+every `poll_s`); a replica whose last poll failed is picked only when none answered."""
 
+import asyncio
 import itertools
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
 
+from omni.stage.v1 import load_pb2, load_pb2_grpc
 from services.runtime.config import Replica
 from services.runtime.server import STAGE_MESSAGE_BYTES, grpc_options
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -17,29 +24,61 @@ class Endpoint:
     replica: Replica
     channel: grpc.aio.Channel
     stub: object
-    in_flight: int = 0
+    load_stub: object = None
+    in_flight: int = 0  # this gateway's calls
+    reported: int = 0  # the replica's calls in flight from every caller, at its last report
+    kv_used: float = 0.0
+    reachable: bool = True
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.reported)
 
 
 class Router:
-    def __init__(self, replicas: list[Replica], stub_cls, by_modality: bool = False):
-        self.by_modality = by_modality
-        self.endpoints = [
-            Endpoint(i, r, ch := grpc.aio.insecure_channel(r.address, options=grpc_options(STAGE_MESSAGE_BYTES)), stub_cls(ch))
-            for i, r in enumerate(replicas)
-        ]
+    def __init__(self, replicas: list[Replica], stub_cls, by_modality: bool = False, poll_s: float = 0.0):
+        self.by_modality, self.poll_s = by_modality, poll_s
+        self.endpoints = []
+        for i, r in enumerate(replicas):
+            channel = grpc.aio.insecure_channel(r.address, options=grpc_options(STAGE_MESSAGE_BYTES))
+            self.endpoints.append(Endpoint(i, r, channel, stub_cls(channel), load_pb2_grpc.LoadStub(channel)))
         self._tiebreak = itertools.count()
+        self._poller: asyncio.Task | None = None
+
+    def _key(self, turn: int):
+        return lambda e: (not e.reachable, e.load, e.kv_used, (e.index - turn) % len(self.endpoints))
 
     def pick(self, modality: str | None = None) -> Endpoint:
-        """The preferred replica for `modality` if it is idle or no other is; otherwise the least loaded."""
-        turn = next(self._tiebreak)
-        least = min(self.endpoints, key=lambda e: (e.in_flight, (e.index - turn) % len(self.endpoints)))
+        """The preferred replica for `modality` if it is idle or no other is less loaded; otherwise the least loaded."""
+        if self.poll_s > 0 and self._poller is None and len(self.endpoints) > 1:
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+        key = self._key(next(self._tiebreak))
+        least = min(self.endpoints, key=key)
         if not (self.by_modality and modality):
             return least
-        preferred = [e for e in self.endpoints if modality in e.replica.prefer_for]
+        preferred = [e for e in self.endpoints if modality in e.replica.prefer_for and e.reachable]
         if not preferred:
             return least
-        best = min(preferred, key=lambda e: (e.in_flight, (e.index - turn) % len(self.endpoints)))
-        return best if best.in_flight == 0 or least.in_flight >= best.in_flight else least
+        best = min(preferred, key=key)
+        return best if best.load == 0 or least.load >= best.load else least
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._report(e) for e in self.endpoints))
+
+    async def _report(self, e: Endpoint) -> None:
+        try:
+            r = await e.load_stub.Get(load_pb2.LoadRequest(), timeout=max(2 * self.poll_s, 0.5))
+        except grpc.aio.AioRpcError as exc:
+            if e.reachable:
+                log.warning("%s: no load report (%s): routing around it", e.replica.address, exc.code().name)
+            e.reachable, e.reported = False, 0
+            return
+        e.reachable, e.reported, e.kv_used = True, r.in_flight, r.kv_used
+
+    async def _poll(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.poll_s)
 
     @contextmanager
     def use(self, endpoint: Endpoint):
@@ -50,5 +89,7 @@ class Router:
             endpoint.in_flight -= 1
 
     async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
         for e in self.endpoints:
             await e.channel.close()

@@ -32,6 +32,11 @@ SHM_RECLAIMED = Counter("omni_shm_slots_reclaimed", "Slots reclaimed after their
 SHM_FALLBACKS = Counter("omni_shm_fallbacks", "Tensors sent another way because their pool was full", ["pool"])
 
 STAGE = "unknown"
+_IN_FLIGHT = 0  # RPCs in progress in this process, every method (what services.runtime.load reports)
+
+
+def in_flight() -> int:
+    return _IN_FLIGHT
 
 
 def set_stage(name: str) -> None:
@@ -91,12 +96,16 @@ def rpc(fn):
     method = fn.__name__
 
     def start():
+        global _IN_FLIGHT
+        _IN_FLIGHT += 1
         INFLIGHT.labels(STAGE, method).inc()
         return time.perf_counter()
 
     def finish(t0: float, code: grpc.StatusCode, context) -> None:
+        global _IN_FLIGHT
         if code == grpc.StatusCode.OK and context.cancelled():
             code = grpc.StatusCode.CANCELLED
+        _IN_FLIGHT -= 1
         INFLIGHT.labels(STAGE, method).dec()
         LATENCY.labels(STAGE, method).observe(time.perf_counter() - t0)
         REQUESTS.labels(STAGE, method, code.name).inc()

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from google.protobuf import message_factory
 from prometheus_client import start_http_server
 
+from omni.stage.v1 import load_pb2
 from services.runtime import metrics
 from services.runtime.config import MeshConfig, load_config
 from services.runtime.metrics import parse
@@ -32,6 +33,8 @@ class Stage:
     """What a stage registered on the server, and what to run when it stops."""
     services: list[str]
     close: Callable[[], Awaitable[None]] | None = None
+    # Engine stages: the engine's queue and state (EngineWorker.load), reported through the Load service.
+    load: Callable[[], dict] | None = None
 
 
 Builder = Callable[[MeshConfig, int, grpc.aio.Server], Awaitable[Stage]]
@@ -74,7 +77,19 @@ def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: 
         worker.stop()
         transport.close()
 
-    return Stage(services=[name], close=close)
+    return Stage(services=[name], close=close, load=worker.load)
+
+
+class LoadServicer:
+    """What this process is working on, for callers choosing among replicas (not counted as a request itself)."""
+
+    def __init__(self, stage: str, replica: int, engine_load: Callable[[], dict] | None,
+                 in_flight: Callable[[], int] = metrics.in_flight):
+        self.stage, self.replica, self.engine_load, self.in_flight = stage, replica, engine_load, in_flight
+
+    async def Get(self, request, context):
+        extra = self.engine_load() if self.engine_load is not None else {}
+        return load_pb2.LoadReport(stage=self.stage, replica=self.replica, in_flight=self.in_flight(), **extra)
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -91,6 +106,7 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     start_http_server(r.metrics_port, addr=r.bind_address.rsplit(":", 1)[0])
     server = grpc.aio.server(options=grpc_options(max_message_bytes))
     built = await build(cfg, replica, server)
+    built.services.append(add_service(server, LoadServicer(stage, replica, built.load), load_pb2.DESCRIPTOR.services_by_name["Load"]))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*built.services, health.SERVICE_NAME, reflection.SERVICE_NAME]

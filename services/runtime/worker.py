@@ -62,6 +62,12 @@ class EngineWorker:
             self._cond.notify()
         return handle
 
+    def load(self) -> dict:
+        """Requests waiting to be admitted, requests the engine holds, and its KV cache use where it has one."""
+        allocator = getattr(getattr(self.engine, "scheduler", None), "allocator", None)
+        kv = allocator.used / allocator.num_blocks if allocator is not None and allocator.num_blocks else 0.0
+        return {"queued": len(self._new), "active": len(self._active), "kv_used": kv}
+
     def notify(self) -> None:
         """New input arrived for a request already submitted."""
         with self._cond:
