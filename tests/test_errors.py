@@ -174,3 +174,27 @@ def test_cancel_or_deadline_frees_every_stage(any_mesh, how):
     held = _wait_released(mesh, timeout=mesh.cfg.transport.reclaim_after_s + 5)
     assert all(v == (0, 0, 0) for v in held.values()), held
     assert generate(mesh.gateway_address, user(("text", "next")).request(max_tokens=3)).finished is not None
+
+
+def test_a_killed_preprocess_worker_costs_no_request(mesh):
+    """The preprocess stage decodes in worker processes: kill them all, and the next image request is still
+    served (a new pool takes over), as is every one after it."""
+    import os
+    import signal
+    import subprocess
+
+    pid = mesh.procs["preprocess-0"].pid
+
+    def pool_workers() -> list[int]:  # children running spawn_main (not multiprocessing's resource tracker)
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        return [int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+    workers = pool_workers()
+    assert workers, "the preprocess stage has no worker processes"
+    for w in workers:
+        os.kill(w, signal.SIGKILL)
+    case = user(("image", png(8)), ("text", "What is it?"))
+    for _ in range(2):
+        assert generate(mesh.gateway_address, case.request(max_tokens=3)).token_ids
+    new = pool_workers()
+    assert new and not set(new) & set(workers)

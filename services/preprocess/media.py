@@ -63,7 +63,7 @@ class Preprocessor:
 
         self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
-        self.limits, self.n_window = limits, n_window
+        self.model_dir, self.limits, self.n_window = model_dir, limits, n_window
         self.merge = self.images.merge_size
 
     def image(self, data: bytes, where: str = "image") -> Features:

@@ -1,8 +1,13 @@
-"""Preprocess stage: decodes and prepares media on a pool of threads, hands features on by reference."""
+"""Preprocess stage: decodes and prepares media on a pool of worker processes (or threads), hands features
+on by reference. Processes keep decoding off the server's interpreter: the event loop and the transport
+never wait for a decoder holding the GIL, and decoders run side by side on every core given."""
 
 import asyncio
+import logging
+import multiprocessing
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
@@ -11,7 +16,7 @@ from omni.v1 import omni_pb2
 from services.model.spec import OmniSpec
 from services.preprocess.media import Features, Preprocessor
 from services.runtime.config import MeshConfig
-from services.runtime.errors import InvalidArgument, ResourceExhausted
+from services.runtime.errors import InvalidArgument, OmniError, ResourceExhausted
 from services.runtime.metrics import rpc
 from services.runtime.protoconv import timings
 from services.runtime.server import Stage, add_service
@@ -21,35 +26,86 @@ KINDS = {"image": common_pb2.MEDIA_KIND_IMAGE, "audio": common_pb2.MEDIA_KIND_AU
 PCM = {omni_pb2.PCM_ENCODING_S16LE: "s16le", omni_pb2.PCM_ENCODING_F32LE: "f32le"}
 
 
-class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
-    def __init__(self, pre: Preprocessor, transport: Transport, workers: int):
-        self.pre, self.transport = pre, transport
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="preprocess")
+log = logging.getLogger(__name__)
 
-    def _one(self, index: int, item: preprocess_pb2.MediaItem) -> Features:
-        where = f"media item {index}"
-        kind = item.WhichOneof("content")
-        if kind == "image":
-            return self.pre.image(item.image.data, where)
-        if kind == "video":
-            return self.pre.video([f.data for f in item.video.frames], item.video.fps, where)
-        if kind == "audio":
-            source = item.audio.WhichOneof("source")
-            if source == "file":
-                return self.pre.audio_file(item.audio.file, where)
-            if source == "pcm":
-                p = item.audio.pcm
-                return self.pre.audio_pcm(p.data, p.sample_rate, PCM.get(p.encoding, ""), p.channels, where)
-            raise InvalidArgument(f"{where}: audio has neither a file nor PCM")
-        raise InvalidArgument(f"{where}: empty media item")
+
+def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Features:
+    where = f"media item {index}"
+    kind = item.WhichOneof("content")
+    if kind == "image":
+        return pre.image(item.image.data, where)
+    if kind == "video":
+        return pre.video([f.data for f in item.video.frames], item.video.fps, where)
+    if kind == "audio":
+        source = item.audio.WhichOneof("source")
+        if source == "file":
+            return pre.audio_file(item.audio.file, where)
+        if source == "pcm":
+            p = item.audio.pcm
+            return pre.audio_pcm(p.data, p.sample_rate, PCM.get(p.encoding, ""), p.channels, where)
+        raise InvalidArgument(f"{where}: audio has neither a file nor PCM")
+    raise InvalidArgument(f"{where}: empty media item")
+
+
+# -- worker processes: each builds its own Preprocessor once --------------------------------------
+
+_WORKER: Preprocessor | None = None
+
+
+def _init_worker(model_dir, limits, n_window) -> None:
+    global _WORKER
+    _WORKER = Preprocessor(model_dir, limits, n_window)
+
+
+def _ready() -> bool:
+    return _WORKER is not None
+
+
+def _prepare_in_worker(index: int, item: bytes) -> Features:
+    return prepare(_WORKER, index, preprocess_pb2.MediaItem.FromString(item))
+
+
+class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
+    def __init__(self, pre: Preprocessor, transport: Transport, workers: int, pool: str = "process"):
+        self.pre, self.transport, self.workers, self.kind = pre, transport, workers, pool
+        self.pool = self._new_pool()
+
+    def _new_pool(self) -> Executor:
+        if self.kind == "thread":
+            return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="preprocess")
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window))
+
+    async def start(self) -> None:
+        """Starts every worker process before the stage says it is serving (their imports take seconds)."""
+        if self.kind == "process":
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self.pool, _ready) for _ in range(2 * self.workers)))
+
+    async def _run(self, index: int, item: preprocess_pb2.MediaItem) -> Features:
+        loop = asyncio.get_running_loop()
+        if self.kind == "thread":
+            return await loop.run_in_executor(self.pool, prepare, self.pre, index, item)
+        payload = item.SerializeToString()
+        for attempt in (0, 1):
+            pool = self.pool
+            try:
+                return await asyncio.wrap_future(pool.submit(_prepare_in_worker, index, payload))
+            except BrokenProcessPool:
+                # A worker died (killed, out of memory, a decoder crashed): a new pool, and one more try, so
+                # an item that itself kills its worker fails alone after two pools.
+                if self.pool is pool:
+                    log.error("a preprocess worker process died; starting a new pool")
+                    self.pool = self._new_pool()
+                    pool.shutdown(wait=False, cancel_futures=True)
+        raise OmniError(f"media item {index}: the preprocess worker died twice while preparing it")
 
     @rpc
     async def Process(self, request, context):
         if len(request.items) > self.pre.limits.max_media_items:
             raise ResourceExhausted(f"{len(request.items)} media items is over the limit of {self.pre.limits.max_media_items}")
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        done = await asyncio.gather(*(loop.run_in_executor(self.pool, self._one, i, it) for i, it in enumerate(request.items)))
+        done = await asyncio.gather(*(self._run(i, it) for i, it in enumerate(request.items)))
         reply = preprocess_pb2.PreprocessResponse(timings=timings(preprocess=time.perf_counter() - t0))
         for f in done:
             reply.items.append(preprocess_pb2.Features(
@@ -64,7 +120,8 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.preprocess.replicas[replica]
     pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
     transport = Transport(cfg.transport, f"preprocess{replica}", r.shm_domain)
-    servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers)
+    servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers, cfg.preprocess.pool)
+    await servicer.start()
     name = add_service(server, servicer, preprocess_pb2.DESCRIPTOR.services_by_name["Preprocess"])
 
     async def close():

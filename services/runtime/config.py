@@ -95,12 +95,17 @@ class GatewayConfig:
     )
     # encoder routing: by the request's output modality then load, or by load alone.
     encoder_routing: Literal["modality", "least_loaded"] = "modality"
+    # How often the gateway asks each replica of a stage with several for its load (every caller's work);
+    # 0: it counts only its own calls in flight.
+    load_poll_ms: int = 100
 
 
 @dataclass
 class PreprocessConfig:
     replicas: list[Replica] = field(default_factory=list)
+    # Decoders per replica: worker processes (off the server's interpreter), or threads of it.
     workers: int = 2
+    pool: Literal["process", "thread"] = "process"
 
 
 @dataclass
