@@ -81,3 +81,14 @@ def test_engines_serve_with_fp8_experts(tiny_model, hf_model):
     assert len(seq.generated) == 9 and seq.stop_reason == "length"
     with pytest.raises(ValueError, match="tiles"):
         NativeThinker(tiny_model, fp8_experts="block")  # the tiny experts are narrower than a 128 x 128 tile
+
+
+def test_rows_by_expert_are_a_stable_argsort():
+    from services.llm.moe import by_expert
+
+    g = torch.Generator().manual_seed(0)
+    for tokens, k, experts in ((1, 8, 128), (5, 2, 4), (300, 8, 128), (64, 6, 16)):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+        order, offs = by_expert(ids, experts)
+        assert order.tolist() == ids.reshape(-1).argsort(stable=True).tolist()
+        assert offs.tolist() == torch.bincount(ids.reshape(-1), minlength=experts).cumsum(0).tolist()

@@ -11,6 +11,7 @@ from torch import nn
 
 from services.llm.context import get_context
 from services.llm.layers import Experts
+from services.llm.moe import by_expert
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -71,11 +72,8 @@ class Fp8Experts(nn.Module):
         """fp8 x fp8 grouped GEMMs with per-token and per-channel scales (torch._scaled_grouped_mm, GPU);
         no host sync, so it runs inside captured graphs."""
         n, k = ids.shape
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)
+        order, offs = by_expert(ids, self.gate_up_proj.shape[0])
         tok = order // k
-        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)
         xq, xs = quantize_tokens(x)
         h = torch._scaled_grouped_mm(xq[tok], self.gate_up_proj.transpose(1, 2), xs[tok, 0], self.gate_up_proj_scale,
                                      offs=offs, out_dtype=torch.bfloat16)

@@ -24,13 +24,24 @@ def loop(x, ids, weights, gate_up, down):
     return out
 
 
+def by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) rows of `ids` [T, k] grouped by expert, in row order within each (what a stable
+    argsort gives), and each group's end offset [E] (int32), by counting instead of sorting: a radix sort is
+    the largest kernel of a decode step's routing, and bincount asks the device for its size, which no
+    graph can capture."""
+    flat = ids.reshape(-1)
+    onehot = F.one_hot(flat, experts).to(torch.int32)  # [R, E]
+    counts = onehot.sum(0)
+    rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # place of each row within its expert's group
+    pos = (counts.cumsum(0) - counts)[flat] + rank
+    order = torch.empty_like(flat).scatter_(0, pos.long(), torch.arange(flat.numel(), device=flat.device))
+    return order, counts.cumsum(0).to(torch.int32)
+
+
 def grouped(x, ids, weights, gate_up, down):
     n, k = ids.shape
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)  # rows grouped by expert: T*k rows, E groups
+    order, offs = by_expert(ids, gate_up.shape[0])  # rows grouped by expert: T*k rows, E groups
     tok = order // k
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offs = counts.cumsum(0).to(torch.int32)  # not bincount: it asks the device for its size, which no graph can capture
     h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T*k, H]
