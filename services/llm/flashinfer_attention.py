@@ -105,7 +105,10 @@ class DecodeAttention(_Writer):
         slots = _slots(slices, bs) + [self.scratch * bs] * pad
         i32 = dict(dtype=torch.int32)
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
-        self.wrapper.plan(torch.tensor(indptr, **i32), torch.tensor(indices, **i32), torch.tensor(last, **i32),
+        # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
+        # copy them with a blocking copy (a second device sync in the step).
+        pages = torch.tensor(indices, **i32).to(self.cache.k.device, non_blocking=True)
+        self.wrapper.plan(torch.tensor(indptr, **i32), pages, torch.tensor(last, **i32),
                           self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
                           kv_data_type=self.cache.k.dtype, sm_scale=self.scale)
         self.slot_mapping.copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
