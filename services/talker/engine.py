@@ -12,7 +12,7 @@ from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import FP8_BLOCK, quantize_experts_
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
-from services.llm.layers import fuse
+from services.llm.layers import fuse, fuse_projections_
 from services.llm.sampling import SamplingParams, sample_batch
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
@@ -51,6 +51,7 @@ class NativeTalker(SpeechEngine):
         if fp8_experts != "off":
             quantize_experts_(talker, FP8_BLOCK if fp8_experts == "block" else None)
         talker.to(device).eval()
+        fuse_projections_(talker)
         super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames))
         text, cp = config.talker_config.text_config, config.talker_config.code_predictor_config
         blocks = kv_blocks or self._fitting_blocks(text, block_size)

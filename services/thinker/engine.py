@@ -10,7 +10,7 @@ from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
 from services.llm.fp8 import FP8_BLOCK, quantize_experts_
 from services.llm.kv_cache import BlockAllocator, KVCache
-from services.llm.layers import fuse
+from services.llm.layers import fuse, fuse_projections_
 from services.llm.sampling import sample_batch
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
@@ -40,6 +40,7 @@ class NativeThinker:
         if fp8_experts != "off":
             quantize_experts_(self.model, FP8_BLOCK if fp8_experts == "block" else None)
         self.model.to(self.device).eval()
+        fuse_projections_(self.model)
         spec = OmniSpec.load(model_dir)
         tc = config.thinker_config.text_config
         self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
