@@ -181,13 +181,22 @@ def test_a_killed_preprocess_worker_costs_no_request(mesh):
     served (a new pool takes over), as is every one after it."""
     import os
     import signal
-    import subprocess
+    from pathlib import Path
 
     pid = mesh.procs["preprocess-0"].pid
 
-    def pool_workers() -> list[int]:  # children running spawn_main (not multiprocessing's resource tracker)
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-        return [int(c) for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+    def pool_workers() -> list[int]:
+        """Children of the stage running spawn_main (not multiprocessing's resource tracker), read from /proc:
+        no fork in this process, which holds gRPC channels."""
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == pid and b"spawn_main" in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+        return found
 
     workers = pool_workers()
     assert workers, "the preprocess stage has no worker processes"

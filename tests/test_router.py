@@ -49,13 +49,17 @@ def test_routes_by_what_replicas_report_and_around_one_that_does_not_answer():
                    stub_cls=lambda ch: None, by_modality=True, poll_s=0.05)
         a, b, dead = r.endpoints
         await r.poll_once()
-        assert (a.reported, a.kv_used, b.reported) == (5, 0.5, 0) and not dead.reachable
+        assert (a.others, a.kv_used, b.others) == (5, 0.5, 0) and not dead.reachable
         assert r.pick("text") is b  # the preferred replica is busy with work this gateway never sent
         assert all(r.pick() is b for _ in range(3))  # never the one that does not answer, while another does
         busy["n"] = 0
         r.pick()  # starts the poller
         await asyncio.sleep(0.3)
-        assert a.reported == 0 and r.pick("text") is a
+        assert a.others == 0 and r.pick("text") is a
+        with r.use(a):  # a report that counted our own call does not count it twice
+            busy["n"] = 1
+            await r.poll_once()
+            assert a.others == 0 and a.load == 1
         await r.close()
         for s in servers:
             await s.stop(None)

@@ -1,7 +1,9 @@
 """Which replica of a stage takes a call: by the request's output modality where replicas say what
-they are preferred for, then by load. Load is the larger of this gateway's own calls in flight (fresh the
-moment it picks) and what the replica last reported through its Load service (every caller's work, polled
-every `poll_s`); a replica whose last poll failed is picked only when none answered."""
+they are preferred for, then by load. Load is this gateway's own calls in flight (fresh the moment it
+picks) plus other callers' work: what the replica last reported through its Load service (polled every
+`poll_s`) less this gateway's calls it may have counted, so a report taken while our own call ran never
+makes the replica look busy after that call ended. A replica whose last poll failed is picked only when
+none answered."""
 
 import asyncio
 import itertools
@@ -26,13 +28,14 @@ class Endpoint:
     stub: object
     load_stub: object = None
     in_flight: int = 0  # this gateway's calls
-    reported: int = 0  # the replica's calls in flight from every caller, at its last report
+    started: int = 0  # this gateway's calls ever started
+    others: int = 0  # other callers' calls in flight at the replica's last report
     kv_used: float = 0.0
     reachable: bool = True
 
     @property
     def load(self) -> int:
-        return max(self.in_flight, self.reported)
+        return self.in_flight + self.others
 
 
 class Router:
@@ -66,14 +69,19 @@ class Router:
         await asyncio.gather(*(self._report(e) for e in self.endpoints))
 
     async def _report(self, e: Endpoint) -> None:
+        ours, started = e.in_flight, e.started
         try:
             r = await e.load_stub.Get(load_pb2.LoadRequest(), timeout=max(2 * self.poll_s, 0.5))
         except grpc.aio.AioRpcError as exc:
             if e.reachable:
                 log.warning("%s: no load report (%s): routing around it", e.replica.address, exc.code().name)
-            e.reachable, e.reported = False, 0
+            e.reachable, e.others = False, 0
             return
-        e.reachable, e.reported, e.kv_used = True, r.in_flight, r.kv_used
+        # Ours it may have counted: every call of ours that ran at some time between the ask and the answer
+        # (too few others rather than too many: an overestimate would steer work away from an idle replica
+        # until the next poll).
+        counted = ours + (e.started - started)
+        e.reachable, e.others, e.kv_used = True, max(0, r.in_flight - counted), r.kv_used
 
     async def _poll(self) -> None:
         while True:
@@ -83,6 +91,7 @@ class Router:
     @contextmanager
     def use(self, endpoint: Endpoint):
         endpoint.in_flight += 1
+        endpoint.started += 1
         try:
             yield endpoint
         finally:

@@ -91,7 +91,11 @@ class NativeThinker:
         free, _ = torch.cuda.mem_get_info(self.device)
         # What the weights left, minus room for activations, graphs and sampling: an allocator that runs out
         # frees its cache and retries on every step, which costs more than the blocks are worth.
-        return int(min(free * 0.8, free - (8 << 30))) // per_block - 1
+        blocks = int(min(free * 0.8, free - (8 << 30))) // per_block - 1
+        if blocks < 1:
+            raise MemoryError(f"{free / 2**30:.1f} GiB free on {self.device} after the weights: no room for a KV cache "
+                              "(set thinker.kv_blocks to size it by hand)")
+        return blocks
 
     @property
     def capacity(self) -> int:
