@@ -22,7 +22,7 @@ from bench import results
 from bench.loadgen import LoopResult, MeshClient
 from bench.records import summarize
 from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select
-from services.runtime.config import load_config
+from services.runtime.config import REPO_ROOT, apply_overrides, load_config
 
 # Request indices of a cell depend only on its concurrency, so both engines get the same inputs and seeds,
 # and no two cells repeat a prompt (a prefix cache must not turn a later cell into cache hits).
@@ -200,6 +200,8 @@ class Sweep:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="mesh config: the deployment, its model and sampling defaults")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override, e.g. thinker.engine=native (repeatable; a launched mesh gets it too)")
     p.add_argument("--out", required=True, help="result JSON (rewritten after every cell)")
     p.add_argument("--engine", choices=["mesh", "hf"], default="mesh")
     p.add_argument("--launch", action="store_true", help="start the mesh of --config (and stop it at the end)")
@@ -232,10 +234,11 @@ def main(argv=None) -> dict:
     if args.engine == "hf" and (args.launch or args.address):
         raise SystemExit("--launch and --address drive the mesh; --engine hf runs transformers in this process")
     started = time.perf_counter()
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     if cfg.model.dir and not (cfg.model.dir / "config.json").exists():
         raise SystemExit(f"no model folder at {cfg.model.dir}: python -m services.model.build full {cfg.model.path}")
-    config = {"path": str(Path(args.config)), "content": yaml.safe_load(Path(args.config).read_text())}
+    content = apply_overrides(yaml.safe_load(Path(args.config).read_text()) or {}, args.set)
+    config = {"path": str(Path(args.config)), "content": content, "overrides": args.set}
     run = {"command": "python -m bench.run " + shlex.join(sys.argv[1:] if argv is None else argv), "args": vars(args),
            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     result = results.new_result(args.engine, config, results.model_info(cfg.model.dir, cfg.model), run)
@@ -256,7 +259,12 @@ def main(argv=None) -> dict:
     elif args.launch:
         from services.launch import Mesh
 
-        mesh = Mesh(args.config, args.log_dir)
+        launched = args.config
+        if args.set:  # the stages read their config from a file: the overridden one, beside the logs
+            launched = REPO_ROOT / ".cache" / f"bench-{Path(args.out).stem}.yaml"
+            launched.parent.mkdir(parents=True, exist_ok=True)
+            launched.write_text(yaml.safe_dump(content))
+        mesh = Mesh(launched, args.log_dir)
         t0 = time.perf_counter()
         mesh.start(timeout=args.launch_timeout)
         run["launch_s"], run["log_dir"] = time.perf_counter() - t0, str(mesh.log_dir)

@@ -2,6 +2,7 @@
 generate(), the figures checked against the requests' own counts, the result files read back and reported."""
 
 import json
+from pathlib import Path
 import statistics
 
 import pytest
@@ -40,7 +41,9 @@ def samples_lost_per_chunk(tiny_model) -> int:
 @pytest.fixture(scope="module")
 def mesh_result(bench_dir):
     out = bench_dir / "mesh.json"
-    bench_run.main(["--config", str(bench_dir / "mesh.yaml"), "--launch", "--log-dir", str(bench_dir / "logs"), "--out", str(out), *SMOKE])
+    # The launched mesh runs the native engines, through an override: the stages must read the overridden file.
+    bench_run.main(["--config", str(bench_dir / "mesh.yaml"), "--launch", "--log-dir", str(bench_dir / "logs"), "--out", str(out),
+                    "--set", "thinker.engine=native", "--set", "talker.engine=native", *SMOKE])
     return out
 
 
@@ -106,6 +109,9 @@ def test_mesh_sweep(mesh_result, samples_lost_per_chunk):
     result = check_sweep(mesh_result, "mesh", samples_lost_per_chunk)
     assert result["run"]["stage_exit_codes"] and all(c == 0 for c in result["run"]["stage_exit_codes"].values())
     assert result["model"]["served"]["model"] == "tiny"
+    assert result["config"]["content"]["thinker"]["engine"] == result["config"]["content"]["talker"]["engine"] == "native"
+    for stage in ("thinker", "talker"):  # what each stage says it runs, in its log
+        assert "engine: native" in (Path(result["run"]["log_dir"]) / f"{stage}-0.log").read_text()
 
 
 def test_hf_sweep(hf_result, samples_lost_per_chunk):

@@ -234,9 +234,8 @@ def _coerce(tp, value, where: str):
     return value
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> MeshConfig:
-    """The config at `path`, with `section.key=value` overrides (values in YAML) applied on top."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+def apply_overrides(data: dict, overrides: list[str] = ()) -> dict:
+    """`section.key=value` overrides (values in YAML) applied to a config's mapping, in place."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -248,4 +247,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> MeshConfig:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         node[leaf] = yaml.safe_load(value)
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> MeshConfig:
+    """The config at `path`, with `section.key=value` overrides (values in YAML) applied on top."""
+    data = apply_overrides(yaml.safe_load(Path(path).read_text()) or {}, overrides)
     return _coerce(MeshConfig, data, Path(path).name).validate()

@@ -67,6 +67,7 @@ def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: 
     from services.runtime.worker import EngineWorker
 
     r = cfg.replicas(stage)[replica]
+    log.info("%s[%d] engine: %s on %s", stage, replica, getattr(engine, "summary", type(engine).__name__), r.device)
     worker = EngineWorker(engine, stage)
     transport = Transport(cfg.transport, f"{stage}{replica}", r.shm_domain)
     if exports_gpu_tensors and engine.device.type == "cuda":

@@ -71,6 +71,11 @@ class NativeTalker(SpeechEngine):
         self.moe = moe
         self.states: dict[int, TalkerState] = {}
 
+    @property
+    def summary(self) -> str:
+        return (f"native (attention {self.attention_backend}, experts {self.moe}, "
+                f"{self.scheduler.allocator.num_blocks} KV blocks of {self.scheduler.block_size})")
+
     def _fitting_blocks(self, text, block_size: int) -> int:
         per_block = KVCache.bytes_per_block(text.num_hidden_layers, block_size, text.num_key_value_heads, text.head_dim, self.dtype)
         if self.device.type != "cuda":

@@ -98,6 +98,12 @@ class NativeThinker:
         return blocks
 
     @property
+    def summary(self) -> str:
+        graphs = f"decode graphs up to {self.graphs.max_batch}" if self.graphs is not None else "no graphs"
+        return (f"native (attention {self.attention_backend}, experts {self.moe}, {graphs}, "
+                f"{self.scheduler.allocator.num_blocks} KV blocks of {self.scheduler.block_size})")
+
+    @property
     def capacity(self) -> int:
         return self.scheduler.allocator.num_blocks * self.scheduler.block_size
 
