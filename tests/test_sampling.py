@@ -69,3 +69,21 @@ def test_hashed_noise_rows_repeat_by_seed_and_counter_and_follow_the_distributio
     draws = sample_batch(small.expand(n, -1), [SamplingParams(temperature=1.0, seed=77)] * n, counters=list(range(n)))
     freq = torch.bincount(draws, minlength=6).float() / n
     assert (freq - small[0].softmax(-1)).abs().max() < 0.015
+
+
+def test_batched_penalties_and_suppression_equal_the_per_row_reference():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 40, generator=g) * 3
+    top = logits.argsort(-1, descending=True)
+    shared, other = torch.tensor([int(top[0, 0]), 5, 6]), torch.tensor([int(top[4, 0])])
+    params = [SamplingParams(repetition_penalty=1.5)] * 3 + [SamplingParams(repetition_penalty=0.8, min_tokens=2, stop_token_ids=(int(top[3, 0]),)),
+                                                            SamplingParams(), SamplingParams(repetition_penalty=1.2), SamplingParams(repetition_penalty=3.0)]
+    seen = [top[0, :3].tolist() + [int(top[0, 0])] * 2,  # duplicates
+            [int(top[1, 0])], [], top[3, :6].tolist(), None, top[5, :2], top[6, :1].tolist()]  # a tensor among lists
+    suppress = [shared, None, shared, None, other, shared, None]
+    generated = [0, 0, 0, 1, 0, 0, 0]
+    out = sample_batch(logits, params, None, seen, generated, suppress)
+    ref = [sample_next(logits[i], params[i], generated[i], None if seen[i] is None else torch.as_tensor(seen[i], dtype=torch.long),
+                       suppress[i]) for i in range(7)]
+    assert out.tolist() == ref
+    assert out[0] != top[0, 0] and out[4] != top[4, 0]  # the suppressed best token is never chosen

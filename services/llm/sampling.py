@@ -66,6 +66,17 @@ def sample_next(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def _padded(histories: list, device) -> torch.Tensor:
+    """Histories of different lengths as one [rows, longest] index tensor, short rows padded with their own
+    first id (a repeat changes nothing: the penalty applies to each seen id once)."""
+    longest = max(len(h) for h in histories)
+    if all(not isinstance(h, torch.Tensor) for h in histories):  # host lists: one copy
+        padded = [list(h) + [h[0]] * (longest - len(h)) for h in histories]
+        return torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
+    rows = [torch.as_tensor(h, device=device).long() for h in histories]
+    return torch.stack([torch.cat([r, r[:1].expand(longest - len(r))]) for r in rows])
+
+
 def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exponential(1) noise [S, vocab] that depends only on (seed, counter, column): a row's draw is the same
     whatever else shares its batch and on any device, with no generator object and no per-row launch."""
@@ -83,26 +94,37 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
                  seen: list[torch.Tensor | None] | None = None, generated: list[int] | None = None,
                  suppress: list[torch.Tensor | None] | None = None, counters: list[int] | None = None) -> torch.Tensor:
     """One token per row of `logits` [B, V] with tensor ops over the batch, deciding on the host which rows
-    need what (so nothing waits on the device): rows loop in Python only for a repetition penalty, a minimum
-    length or suppressed ids. A seeded row draws from `generators[i]`, or, when `counters` are given, from
-    noise hashed from (seed, counters[i]) with no generator at all."""
+    need what (so nothing waits on the device): repetition penalties over every row's history (`seen`: ids,
+    host lists best) in one gather and scatter, ids banned for a minimum length in one write, suppressed ids
+    in one write per distinct set (rows passing the same tensor share it).
+    A seeded row draws from `generators[i]`, or, when `counters` are given, from noise hashed from
+    (seed, counters[i]) with no generator at all."""
     b, vocab = logits.shape
     dev = logits.device
     logits = logits.float()
-    per_row = [i for i, p in enumerate(params)
-               if (seen is not None and seen[i] is not None and p.repetition_penalty != 1.0)
-               or (generated is not None and generated[i] < p.min_tokens and p.stop_token_ids)
-               or (suppress is not None and suppress[i] is not None)]
-    if per_row:
+    penalised = [i for i, p in enumerate(params)
+                 if seen is not None and seen[i] is not None and len(seen[i]) and p.repetition_penalty != 1.0]
+    banned = {i: list(p.stop_token_ids) for i, p in enumerate(params)
+              if generated is not None and generated[i] < p.min_tokens and p.stop_token_ids}
+    shared: dict[int, tuple[torch.Tensor, list[int]]] = {}  # suppressed ids: rows grouped by the set they share
+    for i, ids in enumerate(suppress or ()):
+        if ids is not None and len(ids):
+            shared.setdefault(id(ids), (torch.as_tensor(ids, device=dev), []))[1].append(i)
+    if penalised or banned or shared:
         logits = logits.clone()  # the caller's logits stay as they were
-    for i in per_row:
-        p = params[i]
-        if seen is not None and seen[i] is not None and p.repetition_penalty != 1.0:
-            logits[i] = apply_repetition_penalty(logits[i], seen[i], p.repetition_penalty)
-        if generated is not None and generated[i] < p.min_tokens and p.stop_token_ids:
-            logits[i, list(p.stop_token_ids)] = float("-inf")
-        if suppress is not None and suppress[i] is not None:
-            logits[i, suppress[i]] = float("-inf")
+    if penalised:  # every row's history at once: one gather, one scatter
+        rows = torch.tensor(penalised).to(dev, non_blocking=True)
+        hist = _padded([seen[i] for i in penalised], dev)
+        score = logits[rows[:, None], hist]
+        pen = torch.tensor([params[i].repetition_penalty for i in penalised]).to(dev, non_blocking=True)[:, None]
+        logits[rows[:, None], hist] = torch.where(score < 0, score * pen, score / pen)
+    for ids, rows in shared.values():
+        logits[torch.tensor(rows).to(dev, non_blocking=True)[:, None], ids[None, :]] = float("-inf")
+    if banned:
+        rows = [i for i in banned for _ in banned[i]]
+        cols = [c for i in banned for c in banned[i]]
+        at = torch.tensor([rows, cols]).to(dev, non_blocking=True)
+        logits[at[0], at[1]] = float("-inf")
     out = logits.argmax(-1)
     picked_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not picked_rows:

@@ -187,7 +187,7 @@ class NativeTalker(SpeechEngine):
             seqs = [work[i].seq.owner for i in caught_up]
             h = hidden[last[caught_up]]
             codes = sample_batch(self.talker.codec_head(h), [s.params for s in seqs], [s.generator for s in seqs],
-                                 [torch.tensor([f[0] for f in s.frames], dtype=torch.long, device=self.device) for s in seqs],
+                                 [[f[0] for f in s.frames] for s in seqs],
                                  [len(s.frames) for s in seqs], [self.suppressed(s) for s in seqs]).tolist()
             for seq, code, past in zip(seqs, codes, h):
                 seq.past_hidden = past

@@ -221,7 +221,7 @@ class NativeThinker:
         if ends:
             logits = logits_of([r for _, r in ends])
             owners = [w.seq.owner for w, _ in ends]
-            seen = [torch.tensor(w.seq.tokens, device=self.device) if s.params.repetition_penalty != 1.0 else None
+            seen = [w.seq.tokens if s.params.repetition_penalty != 1.0 else None
                     for (w, _), s in zip(ends, owners)]
             generated = [len(s.generated) for s in owners]
             chosen = sample_batch(logits, [s.params for s in owners], None, seen, generated, counters=generated)
