@@ -98,3 +98,29 @@ def test_a_request_larger_than_the_cache_is_refused(tiny_model, cases):
     seq = TalkerSeq("big", d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=100), d["tts"])
     with pytest.raises(ResourceExhausted, match="more than the talker's KV cache holds"):
         engine.add(seq)
+
+
+def test_seeded_speech_repeats_whatever_shares_its_steps(tiny_model, cases):
+    """Sampled speech (talker and code predictor) from a seed: the same codes alone or batched with another
+    request, other codes from another seed."""
+    data, spec = cases
+    d, other = data["text"], data["image"]
+
+    def speak(seed: int, with_other: bool) -> list:
+        engine = NativeTalker(tiny_model)
+        seqs = []
+        for name, x, s in [("a", d, seed)] + ([("b", other, 99)] if with_other else []):
+            seq = TalkerSeq(name, x["ids"], x["layout"], spec.voices["ethan"],
+                            SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=s, ignore_eos=True), x["tts"])
+            engine.add(seq)
+            seq.inbox.append((x["embeds"], x["hidden"]))
+            seq.text_ended = True
+            seqs.append(seq)
+        while ready := [s for s in seqs if engine.ready(s)]:
+            engine.step(ready)
+        return seqs[0].frames
+
+    alone = speak(5, False)
+    assert len(alone) == 8
+    assert speak(5, True) == alone
+    assert speak(6, False) != alone

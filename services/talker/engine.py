@@ -18,7 +18,7 @@ from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
 from services.talker.model import TalkerModel
-from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep
+from services.talker.speech import SpeechEngine, TalkerSeq, TalkerStep
 
 GREEDY = SamplingParams()
 
@@ -155,8 +155,7 @@ class NativeTalker(SpeechEngine):
         first = self.talker.get_input_embeddings()(torch.tensor([s.code0 for s in seqs], device=self.device))
         x = torch.stack([torch.stack([s.past_hidden for s in seqs]), first], dim=1).reshape(2 * b, -1)  # rows: hidden, code 0
         positions = torch.arange(2, device=self.device).repeat(b).float().expand(3, -1)
-        params = [GREEDY if s.predictor_generator is None else PREDICTOR_SAMPLING for s in seqs]
-        generators = [s.predictor_generator for s in seqs]
+        params = [s.predictor_params or GREEDY for s in seqs]
         codes, embeds, cached = [first.new_tensor([s.code0 for s in seqs], dtype=torch.long)], [first], 0
         for i in range(self.groups - 1):
             n = 2 if i == 0 else 1
@@ -164,7 +163,8 @@ class NativeTalker(SpeechEngine):
             with step_context(self.cp_attention.plan(slices), self.moe):
                 h = cp.model(x, positions)
             cached += n
-            code = sample_batch(cp.lm_head[i](h[n - 1::n]), params, generators)
+            # Seeded draws hashed from (seed, frame, group): no generator, no launch per request.
+            code = sample_batch(cp.lm_head[i](h[n - 1::n]), params, counters=[len(s.frames) * self.groups + i for s in seqs])
             codes.append(code)
             x = cp.model.codec_embedding[i](code)
             embeds.append(x)
@@ -186,9 +186,9 @@ class NativeTalker(SpeechEngine):
         if caught_up:
             seqs = [work[i].seq.owner for i in caught_up]
             h = hidden[last[caught_up]]
-            codes = sample_batch(self.talker.codec_head(h), [s.params for s in seqs], [s.generator for s in seqs],
-                                 [[f[0] for f in s.frames] for s in seqs],
-                                 [len(s.frames) for s in seqs], [self.suppressed(s) for s in seqs]).tolist()
+            frames = [len(s.frames) for s in seqs]
+            codes = sample_batch(self.talker.codec_head(h), [s.params for s in seqs], None, [[f[0] for f in s.frames] for s in seqs],
+                                 frames, [self.suppressed(s) for s in seqs], counters=frames).tolist()
             for seq, code, past in zip(seqs, codes, h):
                 seq.past_hidden = past
                 if code == self.codec_eos:

@@ -45,7 +45,8 @@ class TalkerSeq:
     frames: list[list[int]] = field(default_factory=list)
     decoded: int = 0  # frames already turned into audio
     generator: torch.Generator | None = None
-    predictor_generator: torch.Generator | None = None
+    predictor_generator: torch.Generator | None = None  # the reference engine's; the native one hashes seeds
+    predictor_params: SamplingParams | None = None  # None: greedy
     tts: torch.Tensor | None = None  # [3, D] projected tts bos, eos, pad
     seconds: dict = field(default_factory=lambda: {"talker": 0.0, "code_predictor": 0.0, "code2wav": 0.0})
 
@@ -93,7 +94,8 @@ class SpeechEngine:
         seq.generator = seq.params.generator(self.device)
         if seq.params.temperature > 0:  # the predictor samples too, from its own stream of the request's seed
             seed = seq.params.seed + 1 if seq.params.seed else 0
-            seq.predictor_generator = replace(PREDICTOR_SAMPLING, seed=seed).generator(self.device)
+            seq.predictor_params = replace(PREDICTOR_SAMPLING, seed=seed)
+            seq.predictor_generator = seq.predictor_params.generator(self.device)
 
     def ready(self, seq: TalkerSeq) -> bool:
         if seq.done:
