@@ -87,3 +87,20 @@ def test_batched_penalties_and_suppression_equal_the_per_row_reference():
                        suppress[i]) for i in range(7)]
     assert out.tolist() == ref
     assert out[0] != top[0, 0] and out[4] != top[4, 0]  # the suppressed best token is never chosen
+
+
+def test_tensor_settings_draw_what_sample_batch_draws():
+    """sample_tensors (every setting a tensor, for graphs) against sample_batch, row for row."""
+    from services.llm.sampling import sample_tensors
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4)) * 2
+    params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.8, seed=3), SamplingParams(),
+              SamplingParams(temperature=1.0, top_k=50, top_p=1.0, seed=11), SamplingParams(temperature=0.5, top_k=10, seed=2),
+              SamplingParams(temperature=1.3, top_k=50, top_p=0.5, seed=8), SamplingParams()]
+    counters = [5, 0, 9, 1, 44, 0]
+    for step in range(20):
+        c = [x + 16 * step for x in counters]
+        expected = sample_batch(logits, params, counters=c)
+        got = sample_tensors(logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.top_k for p in params]),
+                             torch.tensor([p.top_p for p in params]), torch.tensor([p.seed for p in params]), torch.tensor(c), 50)
+        assert got.tolist() == expected.tolist()

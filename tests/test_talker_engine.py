@@ -124,3 +124,24 @@ def test_seeded_speech_repeats_whatever_shares_its_steps(tiny_model, cases):
     assert len(alone) == 8
     assert speak(5, True) == alone
     assert speak(6, False) != alone
+
+
+def test_a_predictor_frame_does_not_depend_on_padding_rows(tiny_model):
+    """What a captured frame relies on: rows past the real ones (greedy, zero inputs) change nothing of theirs."""
+    engine = NativeTalker(tiny_model, max_seqs=8)
+    vocab = engine.talker.get_input_embeddings().num_embeddings
+
+    def frame(b: int):
+        engine.cp_ints.zero_()
+        engine.cp_floats.zero_()
+        engine.cp_hidden.zero_()
+        engine.cp_ints[:, :2] = torch.tensor([[3, vocab - 5], [50, 50], [5, 0], [3 * 16, 7 * 16]])
+        engine.cp_floats[:, :2] = torch.tensor([[0.9, 0.0], [0.8, 1.0]])
+        engine.cp_hidden[:2] = torch.randn(2, engine.cp_hidden.shape[1], generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            return engine._predict_body(b)
+
+    codes, embeds = frame(2)
+    padded_codes, padded_embeds = frame(5)
+    assert torch.equal(padded_codes[:2], codes)
+    torch.testing.assert_close(padded_embeds[:2], embeds)

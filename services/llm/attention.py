@@ -63,6 +63,35 @@ class TorchAttention:
         return out
 
 
+class DenseAttention:
+    """B sequences that are all at the same position, their keys and values in a dense cache
+    [layers, B, T, kv_heads, D]: the code predictor's, whose every request runs the same 16 positions each
+    frame. Shapes are fixed once `at()` says where the step is, so a graph can hold a whole frame."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, scale: float):
+        self.k, self.v, self.scale = k, v, scale
+        self.b = self.cached = self.n = 0
+
+    def at(self, b: int, cached: int, n: int) -> "DenseAttention":
+        """The next forward: `n` new rows for each of the first `b` sequences, after `cached` positions."""
+        self.b, self.cached, self.n = b, cached, n
+        return self
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b*n, H, D], k and v [b*n, Hkv, D], rows sequence-major -> [b*n, H, D]."""
+        b, c, n = self.b, self.cached, self.n
+        kc, vc = self.k[layer], self.v[layer]
+        kc[:b, c:c + n] = k.view(b, n, *k.shape[1:])
+        vc[:b, c:c + n] = v.view(b, n, *v.shape[1:])
+        groups = q.shape[1] // k.shape[1]
+        keys = kc[:b, :c + n].repeat_interleave(groups, dim=2).transpose(1, 2)  # [b, H, T, D]
+        values = vc[:b, :c + n].repeat_interleave(groups, dim=2).transpose(1, 2)
+        qs = q.view(b, n, *q.shape[1:]).transpose(1, 2)  # [b, H, n, D]
+        mask = None if n == 1 or c == 0 else torch.ones(n, c + n, dtype=torch.bool, device=q.device).tril(c)
+        out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, is_causal=n > 1 and c == 0, scale=self.scale)
+        return out.transpose(1, 2).reshape(b * n, *q.shape[1:])
+
+
 def pick_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """auto: flashinfer on a GPU in 16-bit precision when it is installed, PyTorch's reference otherwise."""
     if name != "auto":

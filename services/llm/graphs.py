@@ -1,18 +1,16 @@
-"""Decode steps as CUDA graphs: one graph per batch size of a ladder, all sharing one memory pool.
+"""Steps as CUDA graphs: one graph per batch size of a ladder, all sharing one memory pool.
 
-The engine owns the static inputs (token ids, positions, ...) and a `body(batch, attention)` that reads
-them and returns the step's outputs; capture records body() once per size, largest first. A step of n
-sequences replays the smallest captured size >= n: the engine fills the first n rows of its inputs, the
-attention is planned for the n real sequences (the rest is padding that touches only a scratch block),
-and the outputs' first n rows are the step's.
+The engine owns the static inputs (token ids, positions, per-row sampling settings, ...) and a
+`body(batch)` that reads them and returns the step's outputs; capture records body() once per size,
+largest first. A step of n rows replays the smallest captured size >= n: the engine fills the first n
+rows of its inputs (the rest is padding: inputs that touch nothing a real row reads, such as a scratch KV
+block), prepares whatever the graph reads besides (an attention plan), replays, and reads the first n
+rows of the outputs before the next replay overwrites them.
 """
 
 from typing import Callable
 
 import torch
-
-from services.llm.attention import SeqSlice
-from services.llm.flashinfer_attention import DecodeAttention
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -24,25 +22,24 @@ def ladder(max_batch: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
-    def __init__(self, sizes: list[int], make_attention: Callable[[int], DecodeAttention],
-                 body: Callable[[int, DecodeAttention], tuple[torch.Tensor, ...]], device: torch.device):
+class CapturedGraphs:
+    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device):
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeAttention, tuple]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.replays = 0
         pool = None
         stream = torch.cuda.Stream(device)
         for b in sorted(sizes, reverse=True):
-            attention = make_attention(b).plan([])  # all padding: shapes are what capture needs
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside the graph: kernels chosen, workspaces allocated
-                    body(b, attention)
+                    body(b)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = body(b, attention)
+                outputs = body(b)
             pool = graph.pool()
-            self.graphs[b] = (graph, attention, outputs)
+            self.graphs[b] = (graph, outputs)
         torch.cuda.synchronize(device)
 
     @property
@@ -52,9 +49,9 @@ class DecodeGraphs:
     def size_for(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def replay(self, slices: list[SeqSlice]) -> tuple[torch.Tensor, ...]:
-        """Runs the graph for len(slices) sequences (inputs already filled); outputs of the padded size."""
-        graph, attention, outputs = self.graphs[self.size_for(len(slices))]
-        attention.plan(slices)
+    def replay(self, b: int) -> tuple:
+        """Runs the graph of size `b` (inputs filled, plans made); its outputs, valid until the next replay."""
+        graph, outputs = self.graphs[b]
         graph.replay()
+        self.replays += 1
         return outputs

@@ -90,6 +90,23 @@ def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) 
     return -u.log()
 
 
+def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   seeds: torch.Tensor, counters: torch.Tensor, k: int) -> torch.Tensor:
+    """sample_batch's draw with every per-row setting a tensor [B] and no decision on the host, so a graph
+    can hold it: greedy where temps == 0, else a draw from the row's best top_k (at most `k`) within top_p,
+    from noise hashed from (seed, counter) where seed != 0 and from torch's generator elsewhere. A row gets
+    the token sample_batch gives it for the same settings."""
+    logits = logits.float()
+    greedy = logits.argmax(-1)
+    scaled, order = (logits / torch.where(temps > 0, temps, 1.0)[:, None]).topk(k, dim=-1)  # [B, k], best first
+    scaled = scaled.masked_fill(torch.arange(k, device=logits.device) >= top_k[:, None], float("-inf"))
+    probs = scaled.softmax(-1)
+    probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
+    noise = torch.where(seeds[:, None] != 0, hashed_exponential(seeds, counters, k), torch.empty_like(probs).exponential_())
+    token = order.gather(-1, (probs / noise).argmax(-1, keepdim=True))[:, 0]
+    return torch.where(temps > 0, token, greedy)
+
+
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None,
                  seen: list[torch.Tensor | None] | None = None, generated: list[int] | None = None,
                  suppress: list[torch.Tensor | None] | None = None, counters: list[int] | None = None) -> torch.Tensor:

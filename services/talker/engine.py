@@ -8,17 +8,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.llm.attention import SeqSlice, TorchAttention, pick_backend
+from services.llm.attention import DenseAttention, SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import FP8_BLOCK, quantize_experts_
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
-from services.llm.sampling import SamplingParams, sample_batch
+from services.llm.sampling import SamplingParams, sample_batch, sample_tensors
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
 from services.talker.model import TalkerModel
-from services.talker.speech import SpeechEngine, TalkerSeq, TalkerStep
+from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep
 
 GREEDY = SamplingParams()
 
@@ -57,19 +57,27 @@ class NativeTalker(SpeechEngine):
         blocks = kv_blocks or self._fitting_blocks(text, block_size)
         self.cache = KVCache.allocate(text.num_hidden_layers, blocks, block_size, text.num_key_value_heads, text.head_dim, dtype, self.device)
         self.scheduler = Scheduler(BlockAllocator(blocks), block_size, max_batched_tokens, max_seqs)
-        # The predictor's keys for one frame: a block of num_code_groups positions per request, reused every frame.
-        self.cp_cache = KVCache.allocate(cp.num_hidden_layers, max_seqs, self.groups, cp.num_key_value_heads, cp.head_dim, dtype, self.device)
         self.attention_backend = pick_backend(attention, self.device, dtype)
         if self.attention_backend == "flashinfer":
-            from services.llm.flashinfer_attention import WORKSPACE_BYTES, FlashInferAttention
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # shared: runs never overlap
-            self.attention = FlashInferAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads, workspace)
-            self.cp_attention = FlashInferAttention(self.cp_cache, cp.head_dim ** -0.5, cp.num_attention_heads, workspace)
+            from services.llm.flashinfer_attention import FlashInferAttention
+            self.attention = FlashInferAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads)
         else:
             self.attention = TorchAttention(self.cache, text.head_dim ** -0.5)
-            self.cp_attention = TorchAttention(self.cp_cache, cp.head_dim ** -0.5)
+        # The code predictor: every request runs the same num_code_groups positions each frame, so its keys sit
+        # in a dense cache (a row per request) and one frame's 15 steps run as fixed shapes (or one graph).
+        shape = (cp.num_hidden_layers, max_seqs, self.groups, cp.num_key_value_heads, cp.head_dim)
+        self.cp_attention = DenseAttention(torch.zeros(shape, dtype=dtype, device=self.device),
+                                           torch.zeros(shape, dtype=dtype, device=self.device), cp.head_dim ** -0.5)
+        self.cp_hidden = torch.zeros(max_seqs, text.hidden_size, dtype=dtype, device=self.device)  # the talker's last state
+        self.cp_ints = torch.zeros(4, max_seqs, dtype=torch.long, device=self.device)  # code 0, top-k, seed, counter base
+        self.cp_floats = torch.zeros(2, max_seqs, device=self.device)  # temperature, top-p
+        self.cp_top_k = PREDICTOR_SAMPLING.top_k or cp.vocab_size  # the widest top-k a predictor row may use
         self.moe = moe
         self.states: dict[int, TalkerState] = {}
+        self.cp_graphs = None
+        if cuda_graph_max_batch and self.device.type == "cuda" and moe == "grouped" and fp8_experts != "block":
+            from services.llm.graphs import CapturedGraphs, ladder
+            self.cp_graphs = CapturedGraphs(ladder(min(cuda_graph_max_batch, max_seqs)), self._predict_body, self.device)
 
     @property
     def summary(self) -> str:
@@ -135,10 +143,11 @@ class NativeTalker(SpeechEngine):
         """Predicts the pending frame of each request, then queues the talker's next input for those that go on."""
         t0 = time.perf_counter()
         codes, embeds = self._predict(seqs)
+        rows = codes.tolist()  # one wait on the device for every request's frame
         share = (time.perf_counter() - t0) / len(seqs)
         for i, seq in enumerate(seqs):
             t = len(seq.frames)
-            seq.frames.append(codes[i].tolist())
+            seq.frames.append(rows[i])
             seq.code0 = None
             seq.seconds["code_predictor"] += share
             if len(seq.frames) >= seq.params.max_tokens:
@@ -150,21 +159,40 @@ class NativeTalker(SpeechEngine):
             state.tokens.append(seq.frames[-1][0])
 
     def _predict(self, seqs: list[TalkerSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes [B, G] of the frames whose first codes are pending, and their code embeddings [B, G, D]."""
-        cp, b = self.talker.code_predictor, len(seqs)
-        first = self.talker.get_input_embeddings()(torch.tensor([s.code0 for s in seqs], device=self.device))
-        x = torch.stack([torch.stack([s.past_hidden for s in seqs]), first], dim=1).reshape(2 * b, -1)  # rows: hidden, code 0
+        """Codes [B, G] of the frames whose first codes are pending, and their code embeddings [B, G, D]:
+        the requests' inputs go into the predictor's fixed buffers, then one frame runs (replayed from a
+        graph where one is captured)."""
+        n = len(seqs)
+        graph = self.cp_graphs is not None and n <= self.cp_graphs.max_batch
+        b = self.cp_graphs.size_for(n) if graph else n
+        params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy
+        ints = torch.tensor([[s.code0 for s in seqs] + [0] * (b - n), [p.top_k or self.cp_top_k for p in params],
+                             [p.seed & (2**63 - 1) for p in params], [len(s.frames) * self.groups for s in seqs] + [0] * (b - n)])
+        self.cp_ints[:, :b].copy_(ints, non_blocking=True)
+        self.cp_floats[:, :b].copy_(torch.tensor([[p.temperature for p in params], [p.top_p for p in params]]), non_blocking=True)
+        self.cp_hidden[:n] = torch.stack([s.past_hidden for s in seqs])
+        if b > n:
+            self.cp_hidden[n:b] = 0
+        codes, embeds = self.cp_graphs.replay(b) if graph else self._predict_body(n)
+        return codes[:n], embeds[:n]
+
+    def _predict_body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame of the code predictor for the first `b` rows of its buffers: 15 steps, sampling included,
+        shapes fixed by `b` alone (what a graph records)."""
+        cp = self.talker.code_predictor
+        code0, top_k, seeds, base = self.cp_ints[:, :b]
+        temps, top_p = self.cp_floats[:, :b]
+        first = self.talker.get_input_embeddings()(code0)
+        x = torch.stack([self.cp_hidden[:b], first], dim=1).reshape(2 * b, -1)  # rows: hidden, code 0
         positions = torch.arange(2, device=self.device).repeat(b).float().expand(3, -1)
-        params = [s.predictor_params or GREEDY for s in seqs]
-        codes, embeds, cached = [first.new_tensor([s.code0 for s in seqs], dtype=torch.long)], [first], 0
+        codes, embeds, cached = [code0], [first], 0
         for i in range(self.groups - 1):
             n = 2 if i == 0 else 1
-            slices = [SeqSlice([j], cached, n) for j in range(b)]
-            with step_context(self.cp_attention.plan(slices), self.moe):
+            with step_context(self.cp_attention.at(b, cached, n), self.moe):
                 h = cp.model(x, positions)
             cached += n
             # Seeded draws hashed from (seed, frame, group): no generator, no launch per request.
-            code = sample_batch(cp.lm_head[i](h[n - 1::n]), params, counters=[len(s.frames) * self.groups + i for s in seqs])
+            code = sample_tensors(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, base + i, self.cp_top_k)
             codes.append(code)
             x = cp.model.codec_embedding[i](code)
             embeds.append(x)

@@ -62,7 +62,7 @@ class NativeThinker:
         else:
             self.attention = TorchAttention(self.cache, scale)
         self.states: dict[int, SeqState] = {}
-        self.graphs, self.graph_replays = None, 0
+        self.graphs = None
         if cuda_graph_max_batch and self.attention_backend == "flashinfer" and moe == "grouped" and fp8_experts != "block":
             self._capture(min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace)
 
@@ -70,19 +70,21 @@ class NativeThinker:
         """Decode steps as CUDA graphs: token ids and positions in, layer-0 embeddings, the talker's states
         and logits out, for every batch size of the ladder."""
         from services.llm.flashinfer_attention import DecodeAttention
-        from services.llm.graphs import DecodeGraphs, ladder
+        from services.llm.graphs import CapturedGraphs, ladder
 
+        sizes = ladder(max_batch)
         self.decode_inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)  # ids, positions
+        # One attention per size (its page table buffers are the graph's), planned all padding for capture.
+        self.decode_attention = {b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace).plan([]) for b in sizes}
 
-        def body(b: int, attention):
+        def body(b: int):
             ids, pos = self.decode_inputs[0, :b], self.decode_inputs[1, :b]
-            with step_context(attention, self.moe):
+            with step_context(self.decode_attention[b], self.moe):
                 embeds = self.model.model.embed_tokens(ids)
                 hidden, captured = self.model(embeds, pos.float().expand(3, -1), capture_layer=self.accept_layer)
                 return embeds, captured, self.model.lm_head(hidden)
 
-        self.graphs = DecodeGraphs(ladder(max_batch), lambda b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace),
-                                   body, self.device)
+        self.graphs = CapturedGraphs(sizes, body, self.device)
 
     def _fitting_blocks(self, tc, block_size: int) -> int:
         per_block = KVCache.bytes_per_block(tc.num_hidden_layers, block_size, tc.num_key_value_heads, tc.head_dim, self.dtype)
@@ -165,8 +167,8 @@ class NativeThinker:
         host[0, :len(work)] = torch.tensor([w.seq.tokens[w.start] for w in work])
         host[1, :len(work)] = torch.tensor([w.start + w.seq.owner.rope_delta for w in work])
         self.decode_inputs[:, :b].copy_(host, non_blocking=True)
-        embeds, captured, logits = self.graphs.replay([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
-        self.graph_replays += 1
+        self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
+        embeds, captured, logits = self.graphs.replay(b)
         self.scheduler.advance(work)
         if captured is not None:  # the graph's outputs are overwritten by its next replay
             rows = [i for i, w in enumerate(work) if w.seq.owner.return_states]
