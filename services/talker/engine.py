@@ -75,7 +75,7 @@ class NativeTalker(SpeechEngine):
         self.moe = moe
         self.states: dict[int, TalkerState] = {}
         self.cp_graphs = None
-        if cuda_graph_max_batch and self.device.type == "cuda" and moe == "grouped" and fp8_experts != "block":
+        if cuda_graph_max_batch and self.device.type == "cuda":  # the predictor is dense: no experts to capture
             from services.llm.graphs import CapturedGraphs, ladder
             self.cp_graphs = CapturedGraphs(ladder(min(cuda_graph_max_batch, max_seqs)), self._predict_body, self.device)
 
