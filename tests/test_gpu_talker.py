@@ -31,3 +31,44 @@ def test_captured_predictor_frame_equals_the_eager_one(tmp_path):
         g_codes, g_embeds = engine.cp_graphs.replay(4)
     assert torch.equal(g_codes[:3], codes[:3])  # greedy and seeded rows alike
     torch.testing.assert_close(g_embeds[:3], embeds[:3], rtol=0, atol=0)
+
+
+def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
+    """Three speech requests past their prompts: one decode step replayed from the graph of 4 (a padding row)
+    against the same step run eagerly (flashinfer's decode kernel against its prefill kernel, bf16)."""
+    from services.llm.mrope import Layout
+    from services.llm.sampling import SamplingParams
+    from services.model.build import build_full_skeleton
+    from services.talker.engine import NativeTalker
+    from services.talker.speech import TalkerSeq
+
+    engine = NativeTalker(build_full_skeleton(tmp_path / "model"), "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
+                          max_seqs=16, moe="grouped", attention="flashinfer", cuda_graph_max_batch=8)
+    assert engine.graphs is not None
+    spec, gen = engine.spec, torch.Generator().manual_seed(1)
+    hidden = spec.thinker_hidden
+    seqs = []
+    for i, n in enumerate((20, 33, 47)):
+        ids = torch.randint(0, 1000, (n,), generator=gen)
+        seq = TalkerSeq(f"s{i}", ids, Layout(), spec.voices[spec.default_voice], SamplingParams(max_tokens=40, ignore_eos=True),
+                        tts_embeds=torch.randn(3, hidden, generator=gen) / hidden**0.5)
+        seq.inbox.append((torch.randn(n + 41, hidden, generator=gen) / hidden**0.5, torch.randn(n + 41, hidden, generator=gen)))
+        seq.text_ended = True
+        engine.add(seq)
+        seqs.append(seq)
+    with torch.no_grad():
+        while not all(len(s.frames) >= 2 for s in seqs):
+            engine.step([s for s in seqs if engine.ready(s)])
+        for s in seqs:  # the next frame's code predictor, so every request has its decode row queued
+            if s.code0 is not None:
+                engine._frames([s])
+        work = engine.scheduler.schedule()
+        assert len(work) == 3 and engine._graphable(work)
+        eager = engine._rows(work).float()
+        graph, logits = engine._graph_rows(work)
+    rel = ((graph.float() - eager).norm() / eager.norm()).item()
+    print(f"talker decode step, graph against eager: relative L2 {rel:.4f}")
+    assert rel < 0.02
+    assert engine.graphs.replays >= 1
+    ref_logits = engine.talker.codec_head(eager.to(torch.bfloat16)).float()
+    assert (logits.float().argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 2 / 3

@@ -28,6 +28,7 @@ class TalkerState(SeqState):
     """Every input the talker took for the request, so a preempted request can be recomputed."""
     inputs: list = field(default_factory=list)  # [n, D] per forward
     positions: list = field(default_factory=list)  # [3, n] per forward
+    prompt_len: int = 0  # rows before the first frame's (their positions may differ across the three M-RoPE rows)
 
     def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         base = len(self.tokens) - len(self.inputs[-1])
@@ -55,12 +56,14 @@ class NativeTalker(SpeechEngine):
         super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames))
         text, cp = config.talker_config.text_config, config.talker_config.code_predictor_config
         blocks = kv_blocks or self._fitting_blocks(text, block_size)
-        self.cache = KVCache.allocate(text.num_hidden_layers, blocks, block_size, text.num_key_value_heads, text.head_dim, dtype, self.device)
+        # One block more than the allocator hands out: padding rows of captured steps write there.
+        self.cache = KVCache.allocate(text.num_hidden_layers, blocks + 1, block_size, text.num_key_value_heads, text.head_dim, dtype, self.device)
         self.scheduler = Scheduler(BlockAllocator(blocks), block_size, max_batched_tokens, max_seqs)
         self.attention_backend = pick_backend(attention, self.device, dtype)
         if self.attention_backend == "flashinfer":
             from services.llm.flashinfer_attention import FlashInferAttention
             self.attention = FlashInferAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads)
+            self.workspace = self.attention.workspace
         else:
             self.attention = TorchAttention(self.cache, text.head_dim ** -0.5)
         # The code predictor: every request runs the same num_code_groups positions each frame, so its keys sit
@@ -74,10 +77,30 @@ class NativeTalker(SpeechEngine):
         self.cp_top_k = PREDICTOR_SAMPLING.top_k or cp.vocab_size  # the widest top-k a predictor row may use
         self.moe = moe
         self.states: dict[int, TalkerState] = {}
-        self.cp_graphs = None
+        self.cp_graphs = self.graphs = None
         if cuda_graph_max_batch and self.device.type == "cuda":  # the predictor is dense: no experts to capture
             from services.llm.graphs import CapturedGraphs, ladder
             self.cp_graphs = CapturedGraphs(ladder(min(cuda_graph_max_batch, max_seqs)), self._predict_body, self.device)
+            if self.attention_backend == "flashinfer" and moe == "grouped" and fp8_experts != "block":
+                self._capture(ladder(min(cuda_graph_max_batch, max_seqs)), blocks, text)
+
+    def _capture(self, sizes: list[int], scratch: int, text) -> None:
+        """The talker's decode steps (one input row per request, positions equal on the three M-RoPE rows)
+        as CUDA graphs: input rows and positions in, hidden states and codec logits out."""
+        from services.llm.flashinfer_attention import DecodeAttention
+        from services.llm.graphs import CapturedGraphs
+
+        self.decode_x = torch.zeros(sizes[-1], text.hidden_size, dtype=self.dtype, device=self.device)
+        self.decode_pos = torch.zeros(sizes[-1], dtype=torch.long, device=self.device)
+        self.decode_attention = {b: DecodeAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads, b, scratch,
+                                                    self.workspace).plan([]) for b in sizes}
+
+        def body(b: int):
+            with step_context(self.decode_attention[b], self.moe):
+                hidden = self.talker.model(self.decode_x[:b], self.decode_pos[:b].float().expand(3, -1))
+                return hidden, self.talker.codec_head(hidden)
+
+        self.graphs = CapturedGraphs(sizes, body, self.device)
 
     @property
     def summary(self) -> str:
@@ -135,7 +158,8 @@ class NativeTalker(SpeechEngine):
             seq.done = True
             return
         inputs, positions = self.prompt_inputs(seq)
-        state = TalkerState(tokens=[self.tts_pad_id] * len(inputs), owner=seq, inputs=[inputs], positions=[positions])
+        state = TalkerState(tokens=[self.tts_pad_id] * len(inputs), owner=seq, inputs=[inputs], positions=[positions],
+                            prompt_len=len(inputs))
         self.states[id(seq)] = state
         self.scheduler.add(state)
 
@@ -205,17 +229,20 @@ class NativeTalker(SpeechEngine):
         if not work:
             return []
         t0 = time.perf_counter()
-        rows = [w.seq.rows(w.start, w.n) for w in work]
-        with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
-            hidden = self.talker.model(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows], dim=1))
+        if self._graphable(work):
+            hidden, logits = self._graph_rows(work)
+            caught_up, h = list(range(len(work))), hidden
+        else:
+            hidden = self._rows(work)
+            last = torch.tensor([w.n for w in work]).cumsum(0) - 1
+            caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens)]
+            h = hidden[last[caught_up]] if caught_up else None
+            logits = self.talker.codec_head(h) if caught_up else None
         self.scheduler.advance(work)
-        last = torch.tensor([w.n for w in work]).cumsum(0) - 1
-        caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens)]
         if caught_up:
             seqs = [work[i].seq.owner for i in caught_up]
-            h = hidden[last[caught_up]]
             frames = [len(s.frames) for s in seqs]
-            codes = sample_batch(self.talker.codec_head(h), [s.params for s in seqs], None, [[f[0] for f in s.frames] for s in seqs],
+            codes = sample_batch(logits, [s.params for s in seqs], None, [[f[0] for f in s.frames] for s in seqs],
                                  frames, [self.suppressed(s) for s in seqs], counters=frames).tolist()
             for seq, code, past in zip(seqs, codes, h):
                 seq.past_hidden = past
@@ -227,3 +254,26 @@ class NativeTalker(SpeechEngine):
         for w in work:
             w.seq.owner.seconds["talker"] += elapsed / len(work)
         return work
+
+    def _rows(self, work: list) -> torch.Tensor:
+        """The talker's hidden states for every row of the step, eagerly."""
+        rows = [w.seq.rows(w.start, w.n) for w in work]
+        with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
+            return self.talker.model(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows], dim=1))
+
+    def _graphable(self, work: list) -> bool:
+        """Every request takes one frame's input row (no prompt rows, whose positions may differ by axis)."""
+        return (self.graphs is not None and len(work) <= self.graphs.max_batch
+                and all(w.n == 1 and w.start >= w.seq.prompt_len for w in work))
+
+    def _graph_rows(self, work: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and codec logits of a decode step, replayed from its graph (copied out: the next
+        replay overwrites them, and a request keeps its last state until its frame is predicted)."""
+        n = len(work)
+        b = self.graphs.size_for(n)
+        self.decode_x[:n] = torch.cat([w.seq.rows(w.start, 1)[0] for w in work])
+        pos = torch.tensor([w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n), dtype=torch.long)
+        self.decode_pos[:b].copy_(pos, non_blocking=True)
+        self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
+        hidden, logits = self.graphs.replay(b)
+        return hidden[:n].clone(), logits[:n]
