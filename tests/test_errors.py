@@ -207,3 +207,17 @@ def test_a_killed_preprocess_worker_costs_no_request(mesh):
         assert generate(mesh.gateway_address, case.request(max_tokens=3)).token_ids
     new = pool_workers()
     assert new and not set(new) & set(workers)
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_speech_that_ends_before_its_text_leaves_nothing_held(any_mesh, run):
+    """The talker is done after 2 frames while the thinker streams 60 more tokens of states to it: the request
+    succeeds (the talker's call stays open until the text ends, so nothing writes to a finished call), and
+    every state slot is given back at once, long before the reclaim time."""
+    mesh = any_mesh
+    req = user(("text", "say little, write a lot")).request(speech=True, max_tokens=60, frames=2)
+    req.sampling.ignore_eos = True
+    res = generate(mesh.gateway_address, req)
+    assert len(res.token_ids) == 60 and len(res.codes) == 2
+    held = _wait_released(mesh, timeout=3.0)  # the tests' reclaim time is 10 s
+    assert all(v == (0, 0, 0) for v in held.values()), held

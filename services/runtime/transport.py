@@ -272,6 +272,16 @@ class Transport:
         self._count("cuda_ipc" if where == "cuda" else "shm", "in", s.nbytes)
         return out
 
+    def release(self, ref: tensor_pb2.TensorRef) -> None:
+        """Gives a ref's slot back without reading it (a consumer that no longer needs what it was sent)."""
+        where = ref.WhichOneof("location")
+        if where not in ("shm", "cuda"):
+            return
+        s = getattr(ref, where)
+        entry = self._view(s.pool).entry(s.slot)
+        if int(entry["generation"]) == s.generation:
+            entry["released"] = s.generation
+
     def _mapped_pool(self, s: tensor_pb2.CudaIpcSlot) -> torch.Tensor:
         from services.runtime.cuda_ipc import open_pool
 

@@ -37,11 +37,17 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         )
 
     async def _feed(self, inputs, seq: TalkerSeq) -> None:
-        """Moves the thinker's states into the request as they arrive, in order."""
+        """Moves the thinker's states into the request as they arrive, in order. Once the speech is done
+        (its frames, or its end code, may come before the text ends), states still arriving are released
+        unread: the call stays open until the caller says the text ended, so the caller never writes to a
+        call that is over, and no slot waits to be reclaimed."""
         expected = 0
         try:
             async for msg in inputs:
-                if msg.HasField("states"):
+                if msg.HasField("states") and seq.done:
+                    self.transport.release(msg.states.embeds)
+                    self.transport.release(msg.states.hidden)
+                elif msg.HasField("states"):
                     s = msg.states
                     if s.start != expected:
                         raise InvalidArgument(f"thinker states out of order: position {s.start}, expected {expected}")
@@ -80,6 +86,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                         frames=len(seq.frames), eos=seq.eos, timings=timings(**seq.seconds),
                     ))
             finished = True
+            await feeder  # the rest of the caller's stream, released unread (see _feed)
         finally:
             feeder.cancel()
             if not finished:
