@@ -69,20 +69,7 @@ class Fp8Experts(nn.Module):
         return self.reference(x, ids, weights)
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """fp8 x fp8 grouped GEMMs with per-token and per-channel scales (torch._scaled_grouped_mm, GPU);
-        no host sync, so it runs inside captured graphs."""
-        n, k = ids.shape
-        order, offs = by_expert(ids, self.gate_up_proj.shape[0])
-        tok = order // k
-        xq, xs = quantize_tokens(x)
-        h = torch._scaled_grouped_mm(xq[tok], self.gate_up_proj.transpose(1, 2), xs[tok, 0], self.gate_up_proj_scale,
-                                     offs=offs, out_dtype=torch.bfloat16)
-        gate, up = h.chunk(2, dim=-1)
-        aq, a_scale = quantize_tokens(F.silu(gate) * up)
-        y = torch._scaled_grouped_mm(aq, self.down_proj.transpose(1, 2), a_scale[:, 0], self.down_proj_scale,
-                                     offs=offs, out_dtype=torch.bfloat16)
-        y = y * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+        return OPS["grouped"](x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale)
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Per-token fp8 activations and dequantised weights through the experts loop (any device)."""
@@ -107,3 +94,21 @@ def quantize_experts_(model: nn.Module, block: int | None = None) -> int:
             module.experts = Fp8Experts(module.experts, block)
             swapped += 1
     return swapped
+
+
+def grouped(x, ids, weights, gate_up, gate_up_scale, down, down_scale) -> torch.Tensor:
+    """fp8 x fp8 grouped GEMMs with per-token and per-channel scales (torch._scaled_grouped_mm, GPU); no
+    host sync, so it runs inside captured graphs."""
+    n, k = ids.shape
+    order, offs = by_expert(ids, gate_up.shape[0])
+    tok = order // k
+    xq, xs = quantize_tokens(x)
+    h = torch._scaled_grouped_mm(xq[tok], gate_up.transpose(1, 2), xs[tok, 0], gate_up_scale, offs=offs, out_dtype=torch.bfloat16)
+    gate, up = h.chunk(2, dim=-1)
+    aq, a_scale = quantize_tokens(F.silu(gate) * up)
+    y = torch._scaled_grouped_mm(aq, down.transpose(1, 2), a_scale[:, 0], down_scale, offs=offs, out_dtype=torch.bfloat16)
+    y = y * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+
+OPS = {"grouped": grouped}  # services.llm.layers.fuse() compiles it: the activations' quantisation fused

@@ -126,12 +126,13 @@ def fuse(enabled: bool = True) -> None:
     step's tens of small kernels per layer become a few. Attention kernels and the KV writes stay outside."""
     import torch._inductor.config as inductor
 
-    from services.llm import moe
+    from services.llm import fp8, moe
 
     inductor.emulate_precision_casts = True  # round where eager rounds (to bf16 between ops): the same numbers
     for name, fn in (("pre_attention", pre_attention), ("post_attention", post_attention), ("route", route)):
         OPS[name] = torch.compile(fn, dynamic=True) if enabled else fn
     moe.OPS["grouped"] = torch.compile(moe.grouped, dynamic=True) if enabled else moe.grouped
+    fp8.OPS["grouped"] = torch.compile(fp8.grouped, dynamic=True) if enabled else fp8.grouped
 
 
 class Router(nn.Module):
