@@ -262,9 +262,9 @@ class NativeTalker(SpeechEngine):
             return self.talker.model(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows], dim=1))
 
     def _graphable(self, work: list) -> bool:
-        """Every request takes one frame's input row (no prompt rows, whose positions may differ by axis)."""
+        """Every request takes its one pending frame input (no prompt rows, whose positions may differ by axis)."""
         return (self.graphs is not None and len(work) <= self.graphs.max_batch
-                and all(w.n == 1 and w.start >= w.seq.prompt_len for w in work))
+                and all(w.n == 1 and w.start >= w.seq.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work))
 
     def _graph_rows(self, work: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and codec logits of a decode step, replayed from its graph (copied out: the next
