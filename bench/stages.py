@@ -90,7 +90,10 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
         engine.step(warm)
     for length in args.prompt_lens:
         for b in args.batches:
-            seqs = batch(b, length, steps + 2)
+            # Long enough that no sequence finishes inside the cell: the first ones admitted decode while the
+            # later ones prefill (chunked prefill), so they are that many tokens ahead when decode is timed.
+            ahead = -(-b * length // cfg.thinker.max_batched_tokens) if cfg.thinker.engine == "native" else 0
+            seqs = batch(b, length, ahead + steps + 2)
 
             def prefill():  # one step for the reference engine; as many as the token budget needs for the native one
                 while any(not s.generated for s in seqs):
