@@ -10,6 +10,7 @@ Both write the step's keys and values into their slots first, as `TorchAttention
 import torch
 
 from services.llm.attention import SeqSlice
+from services.llm.host import upload, upload_into
 from services.llm.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
@@ -68,7 +69,7 @@ class FlashInferAttention(_Writer):
         self.wrapper.plan(torch.tensor(qo, **i32), torch.tensor(indptr, **i32), torch.tensor(indices, **i32),
                           torch.tensor(last, **i32), self.heads, kv_heads, head_dim, bs, causal=True, sm_scale=self.scale,
                           q_data_type=self.cache.k.dtype, kv_data_type=self.cache.k.dtype)
-        self.slot_mapping = torch.tensor(_slots(slices, bs), dtype=torch.long).to(self.cache.k.device, non_blocking=True)
+        self.slot_mapping = upload(_slots(slices, bs), self.cache.k.device, torch.long)
         return self
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -107,11 +108,11 @@ class DecodeAttention(_Writer):
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
         # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
         # copy them with a blocking copy (a second device sync in the step).
-        pages = torch.tensor(indices, **i32).to(self.cache.k.device, non_blocking=True)
+        pages = upload(indices, self.cache.k.device, torch.int32)
         self.wrapper.plan(torch.tensor(indptr, **i32), pages, torch.tensor(last, **i32),
                           self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
                           kv_data_type=self.cache.k.dtype, sm_scale=self.scale)
-        self.slot_mapping.copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        upload_into(self.slot_mapping, slots)
         return self
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.llm.host import upload
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -72,7 +74,7 @@ def _padded(histories: list, device) -> torch.Tensor:
     longest = max(len(h) for h in histories)
     if all(not isinstance(h, torch.Tensor) for h in histories):  # host lists: one copy
         padded = [list(h) + [h[0]] * (longest - len(h)) for h in histories]
-        return torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
+        return upload(padded, torch.device(device), torch.long)
     rows = [torch.as_tensor(h, device=device).long() for h in histories]
     return torch.stack([torch.cat([r, r[:1].expand(longest - len(r))]) for r in rows])
 
@@ -130,17 +132,17 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     if penalised or banned or shared:
         logits = logits.clone()  # the caller's logits stay as they were
     if penalised:  # every row's history at once: one gather, one scatter
-        rows = torch.tensor(penalised).to(dev, non_blocking=True)
+        rows = upload(penalised, dev)
         hist = _padded([seen[i] for i in penalised], dev)
         score = logits[rows[:, None], hist]
-        pen = torch.tensor([params[i].repetition_penalty for i in penalised]).to(dev, non_blocking=True)[:, None]
+        pen = upload([params[i].repetition_penalty for i in penalised], dev)[:, None]
         logits[rows[:, None], hist] = torch.where(score < 0, score * pen, score / pen)
     for ids, rows in shared.values():
-        logits[torch.tensor(rows).to(dev, non_blocking=True)[:, None], ids[None, :]] = float("-inf")
+        logits[upload(rows, dev)[:, None], ids[None, :]] = float("-inf")
     if banned:
         rows = [i for i in banned for _ in banned[i]]
         cols = [c for i in banned for c in banned[i]]
-        at = torch.tensor([rows, cols]).to(dev, non_blocking=True)
+        at = upload([rows, cols], dev)
         logits[at[0], at[1]] = float("-inf")
     out = logits.argmax(-1)
     picked_rows = [i for i, p in enumerate(params) if p.temperature > 0]
@@ -148,11 +150,10 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
         return out
     picked = [params[i] for i in picked_rows]
     # Per-row settings in one copy each, none of which waits for the device (pageable, non-blocking).
-    ints = torch.tensor([picked_rows, [p.top_k or vocab for p in picked],
-                         [p.seed & (2**63 - 1) if counters is not None else 0 for p in picked],
-                         [counters[i] if counters is not None else 0 for i in picked_rows]], dtype=torch.long)
-    floats = torch.tensor([[p.temperature for p in picked], [p.top_p for p in picked]])
-    ints, floats = ints.to(dev, non_blocking=True), floats.to(dev, non_blocking=True)
+    ints = upload([picked_rows, [p.top_k or vocab for p in picked],
+                   [p.seed & (2**63 - 1) if counters is not None else 0 for p in picked],
+                   [counters[i] if counters is not None else 0 for i in picked_rows]], dev, torch.long)
+    floats = upload([[p.temperature for p in picked], [p.top_p for p in picked]], dev, torch.float32)
     rows, top_k, seeds, steps = ints
     temps, top_p = floats
     # Only the best max(top_k) candidates of each row can be drawn: a top-k instead of a sort of the vocabulary.
@@ -168,7 +169,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
         if len(hashed) == len(picked_rows):
             noise = hashed_exponential(seeds, steps, k)  # noise per candidate rank: a draw from `probs`
         else:
-            at = torch.tensor(hashed).to(dev, non_blocking=True)
+            at = upload(hashed, dev)
             noise[at] = hashed_exponential(seeds[at], steps[at], k)
     hashed_set = set(hashed)
     for j, i in enumerate(picked_rows):

@@ -10,6 +10,7 @@ import torch
 
 from services.llm.attention import DenseAttention, SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import FP8_BLOCK, quantize_experts_
+from services.llm.host import upload_into
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
@@ -192,8 +193,8 @@ class NativeTalker(SpeechEngine):
         params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy
         ints = torch.tensor([[s.code0 for s in seqs] + [0] * (b - n), [p.top_k or self.cp_top_k for p in params],
                              [p.seed & (2**63 - 1) for p in params], [len(s.frames) * self.groups for s in seqs] + [0] * (b - n)])
-        self.cp_ints[:, :b].copy_(ints, non_blocking=True)
-        self.cp_floats[:, :b].copy_(torch.tensor([[p.temperature for p in params], [p.top_p for p in params]]), non_blocking=True)
+        upload_into(self.cp_ints[:, :b], ints)
+        upload_into(self.cp_floats[:, :b], [[p.temperature for p in params], [p.top_p for p in params]])
         self.cp_hidden[:n] = torch.stack([s.past_hidden for s in seqs])
         if b > n:
             self.cp_hidden[n:b] = 0
@@ -273,7 +274,7 @@ class NativeTalker(SpeechEngine):
         b = self.graphs.size_for(n)
         self.decode_x[:n] = torch.cat([w.seq.rows(w.start, 1)[0] for w in work])
         pos = torch.tensor([w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n), dtype=torch.long)
-        self.decode_pos[:b].copy_(pos, non_blocking=True)
+        upload_into(self.decode_pos[:b], pos)
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         hidden, logits = self.graphs.replay(b)
         return hidden[:n].clone(), logits[:n]

@@ -9,6 +9,7 @@ import torch
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
 from services.llm.fp8 import FP8_BLOCK, quantize_experts_
+from services.llm.host import upload_into
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.sampling import sample_batch
@@ -166,7 +167,7 @@ class NativeThinker:
         host = torch.zeros(2, b, dtype=torch.long)
         host[0, :len(work)] = torch.tensor([w.seq.tokens[w.start] for w in work])
         host[1, :len(work)] = torch.tensor([w.start + w.seq.owner.rope_delta for w in work])
-        self.decode_inputs[:, :b].copy_(host, non_blocking=True)
+        upload_into(self.decode_inputs[:, :b], host)
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         embeds, captured, logits = self.graphs.replay(b)
         self.scheduler.advance(work)

@@ -1,0 +1,26 @@
+"""Host values for the device, sent without waiting for it.
+
+A copy from pageable host memory may wait for every kernel queued before it (the driver stages it through
+pinned memory it may have to synchronise for), which after a graph replay means the whole step: the host
+then spends the step blocked where it meant to queue work. From pinned memory the copy is queued behind
+those kernels like one more of them. torch's pinned-memory cache keeps each buffer until its copy is done.
+"""
+
+import torch
+
+
+def _host(values, dtype: torch.dtype | None, pin: bool) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        host = values.to(dtype) if dtype is not None else values
+        return host.pin_memory() if pin else host
+    return torch.tensor(values, dtype=dtype, pin_memory=pin)
+
+
+def upload(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` (nested lists or a CPU tensor) on `device`, queued without waiting on it."""
+    return _host(values, dtype, device.type == "cuda").to(device, non_blocking=True)
+
+
+def upload_into(dst: torch.Tensor, values) -> None:
+    """Copies `values` into the device tensor `dst` (same shape), queued without waiting on the device."""
+    dst.copy_(_host(values, dst.dtype, dst.device.type == "cuda"), non_blocking=True)
