@@ -122,9 +122,9 @@ def hf_thinker_cells(cfg: MeshConfig, device: str, args):
     """transformers' own generate() on its thinker, batched (same prompt lengths, no padding needed): prefill
     is the time to the first token, decode the rest."""
     from transformers import logging
-    from transformers.generation.streamers import BaseStreamer
     from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
 
+    from bench.hf_engine import StepTimes
     from services.model.load import load_config
 
     logging.set_verbosity_error()
@@ -137,16 +137,6 @@ def hf_thinker_cells(cfg: MeshConfig, device: str, args):
     finally:
         torch.set_default_dtype(default)
 
-    class Times(BaseStreamer):
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.text_config.vocab_size
     sampling = dict(do_sample=True, temperature=THINKER_SAMPLING["temperature"], top_p=THINKER_SAMPLING["top_p"],
@@ -154,14 +144,14 @@ def hf_thinker_cells(cfg: MeshConfig, device: str, args):
     for length in args.prompt_lens:
         for b in args.hf_batches:
             ids = torch.randint(0, vocab, (b, length), generator=gen).to(dev)
-            times = Times()
+            times = StepTimes()
             torch.cuda.synchronize(dev) if dev.type == "cuda" else None
             t0 = time.perf_counter()
             with torch.no_grad():
                 model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.decode_steps + 1,
                                min_new_tokens=args.decode_steps + 1, streamer=times, **sampling)
-            first, last = times.times[1], times.times[-1]  # times[0]: the prompt
-            steps = len(times.times) - 2
+            first, last = times.times[0], times.times[-1]
+            steps = len(times.times) - 1
             yield {"stage": "thinker", "engine": "transformers-generate", "mode": "prefill", "batch": b, "prompt_len": length,
                    "seconds": first - t0, "tok_per_s": b * length / (first - t0), "step_ms": 1000 * (first - t0)}
             yield {"stage": "thinker", "engine": "transformers-generate", "mode": "decode", "batch": b, "prompt_len": length,

@@ -189,3 +189,14 @@ def test_client_ceiling():
     assert [c["concurrency"] for c in cells] == [1, 4]
     assert all(c["failures"] == 0 and c["msgs_per_s"] > 0 and c["client_us_per_msg"] > 0 for c in cells)
     assert cells[1]["output_tok_per_s"] == pytest.approx(cells[1]["msgs_per_s"] * 16 / 19, rel=0.05)
+
+
+def test_transformers_thinker_stage(bench_dir):
+    out = bench_dir / "hf-stages.json"
+    stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "hf-thinker", "--hf-batches", "1,2",
+                 "--prompt-lens", "16", "--decode-steps", "3", "--device", "cpu"])
+    by = {(c["mode"], c["batch"]): c for c in results.read(out)["cells"]}
+    for b in (1, 2):
+        decode = by["decode", b]
+        assert decode["engine"] == "transformers-generate" and decode["steps"] == 3
+        assert decode["tok_per_s"] == pytest.approx(b * 3 / decode["seconds"]) and by["prefill", b]["seconds"] > 0

@@ -13,7 +13,7 @@ def test_greedy_rows_match_the_reference_with_penalties_and_minimum_lengths():
               SamplingParams(), SamplingParams(repetition_penalty=2.0)]
     seen = [None, torch.tensor([int(logits[1].argmax()), 3]), None, torch.tensor([1, 2]), None, logits[5].topk(5).indices]
     generated = [0, 0, 1, 0, 5, 0]
-    out = sample_batch(logits, params, [None] * 6, seen, generated)
+    out = sample_batch(logits, params, seen, generated)
     ref = [sample_next(logits[i], params[i], generated[i], seen[i]) for i in range(6)]
     assert out.tolist() == ref
 
@@ -23,7 +23,7 @@ def test_samples_follow_temperature_top_k_and_top_p():
     n = 20000
     cases = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=3), SamplingParams(temperature=1.0, top_p=0.7)]
     for p in cases:
-        draws = sample_batch(logits.expand(n, -1), [p] * n, [None] * n)
+        draws = sample_batch(logits.expand(n, -1), [p] * n)
         freq = torch.bincount(draws, minlength=6).float() / n
         z = logits[0] / p.temperature
         if p.top_k:
@@ -43,8 +43,8 @@ def test_seeded_rows_repeat_and_do_not_depend_on_their_neighbours():
     p = SamplingParams(temperature=1.0, seed=5)
 
     def run(neighbour_seed):
-        gens = [torch.Generator().manual_seed(5), None, torch.Generator().manual_seed(neighbour_seed), None]
-        return sample_batch(logits, [p, SamplingParams(temperature=1.0), p, SamplingParams()], gens)
+        neighbour = SamplingParams(temperature=1.0, seed=neighbour_seed)
+        return sample_batch(logits, [p, neighbour, p, SamplingParams()], counters=[4, 4, 4, 0])
 
     a, b = run(5), run(6)
     assert a[0] == b[0] and a[0] == a[2] and a[3] == logits[3].argmax()
@@ -82,7 +82,7 @@ def test_batched_penalties_and_suppression_equal_the_per_row_reference():
             [int(top[1, 0])], [], top[3, :6].tolist(), None, top[5, :2], top[6, :1].tolist()]  # a tensor among lists
     suppress = [shared, None, shared, None, other, shared, None]
     generated = [0, 0, 0, 1, 0, 0, 0]
-    out = sample_batch(logits, params, None, seen, generated, suppress)
+    out = sample_batch(logits, params, seen, generated, suppress)
     ref = [sample_next(logits[i], params[i], generated[i], None if seen[i] is None else torch.as_tensor(seen[i], dtype=torch.long),
                        suppress[i]) for i in range(7)]
     assert out.tolist() == ref

@@ -62,18 +62,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        self.register_buffer("qkv_weight", None, persistent=False)  # q, k, v in one, once loaded (fuse_projections_)
 
     def qkv(self, x: torch.Tensor, norm: "RMSNorm", cos: torch.Tensor, sin: torch.Tensor):
-        fused = getattr(self, "qkv_weight", None)
-        weights = (fused,) if fused is not None else (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        return OPS["pre_attention"](x, norm.weight, weights, self.q_norm.weight, self.k_norm.weight, cos, sin, norm.eps,
-                                    self.heads, self.kv_heads, self.head_dim)
+        if self.qkv_weight is None:
+            raise RuntimeError("attention projections not fused: call fuse_projections_(model) once its weights are loaded")
+        return OPS["pre_attention"](x, norm.weight, self.qkv_weight, self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                    norm.eps, self.heads, self.kv_heads, self.head_dim)
 
     def fuse_projections_(self) -> None:
         """q, k and v weights in one tensor, for one GEMM instead of three; the three parameters stay, as
         views of it, so the weights keep their checkpoint names."""
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
-        self.register_buffer("qkv_weight", w, persistent=False)
+        self.qkv_weight = w
         q, k = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
         for proj, part in ((self.q_proj, w[:q]), (self.k_proj, w[q:q + k]), (self.v_proj, w[q + k:])):
             proj.weight = nn.Parameter(part, requires_grad=False)
@@ -87,15 +88,11 @@ def fuse_projections_(model: nn.Module) -> int:
     return len(layers)
 
 
-def pre_attention(x, norm_w, qkv_w: tuple, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
-    """Input norm, q/k/v projections (one fused weight, or three), QK-norm and rotary embedding:
+def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """Input norm, the fused q/k/v projection, QK-norm and rotary embedding:
     [N, H] -> q [N, heads, D], k and v [N, kv_heads, D]."""
     n = x.shape[0]  # N = tokens of the step, all sequences
-    h = rms_norm(x, norm_w, eps)
-    if len(qkv_w) == 1:
-        q, k, v = F.linear(h, qkv_w[0]).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    else:
-        q, k, v = (F.linear(h, w) for w in qkv_w)
+    q, k, v = F.linear(rms_norm(x, norm_w, eps), qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = rotate(rms_norm(q.reshape(n, heads, head_dim), qn_w, eps), cos, sin)
     k = rotate(rms_norm(k.reshape(n, kv_heads, head_dim), kn_w, eps), cos, sin)
     return q, k, v.reshape(n, kv_heads, head_dim)

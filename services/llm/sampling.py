@@ -99,25 +99,33 @@ def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tenso
     from noise hashed from (seed, counter) where seed != 0 and from torch's generator elsewhere. A row gets
     the token sample_batch gives it for the same settings."""
     logits = logits.float()
-    greedy = logits.argmax(-1)
-    scaled, order = (logits / torch.where(temps > 0, temps, 1.0)[:, None]).topk(k, dim=-1)  # [B, k], best first
+    probs, order = _candidates(logits, torch.where(temps > 0, temps, 1.0), top_k, top_p, k)
+    noise = torch.where(seeds[:, None] != 0, hashed_exponential(seeds, counters, k), torch.empty_like(probs).exponential_())
+    return torch.where(temps > 0, _race(probs, order, noise), logits.argmax(-1))
+
+
+def _candidates(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int):
+    """Each row's best `k` tokens by logit / temperature and the probability of drawing each: zero past the
+    row's own top_k and outside the smallest head holding top_p. -> (probs [B, k], token ids [B, k])."""
+    scaled, order = (logits / temps[:, None]).topk(k, dim=-1)  # best first: a top-k, not a vocabulary sort
     scaled = scaled.masked_fill(torch.arange(k, device=logits.device) >= top_k[:, None], float("-inf"))
     probs = scaled.softmax(-1)
-    probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
-    noise = torch.where(seeds[:, None] != 0, hashed_exponential(seeds, counters, k), torch.empty_like(probs).exponential_())
-    token = order.gather(-1, (probs / noise).argmax(-1, keepdim=True))[:, 0]
-    return torch.where(temps > 0, token, greedy)
+    return probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0), order
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None,
-                 seen: list[torch.Tensor | None] | None = None, generated: list[int] | None = None,
-                 suppress: list[torch.Tensor | None] | None = None, counters: list[int] | None = None) -> torch.Tensor:
+def _race(probs: torch.Tensor, order: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: with Exponential(1) noise per candidate, argmax(probs / noise) draws from probs."""
+    return order.gather(-1, (probs / noise).argmax(-1, keepdim=True))[:, 0]
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list | None = None,
+                 generated: list[int] | None = None, suppress: list[torch.Tensor | None] | None = None,
+                 counters: list[int] | None = None) -> torch.Tensor:
     """One token per row of `logits` [B, V] with tensor ops over the batch, deciding on the host which rows
     need what (so nothing waits on the device): repetition penalties over every row's history (`seen`: ids,
     host lists best) in one gather and scatter, ids banned for a minimum length in one write, suppressed ids
-    in one write per distinct set (rows passing the same tensor share it).
-    A seeded row draws from `generators[i]`, or, when `counters` are given, from noise hashed from
-    (seed, counters[i]) with no generator at all."""
+    in one write per distinct set (rows passing the same tensor share it). A seeded row draws from noise
+    hashed from (seed, counters[i]) (0 without `counters`), the others from torch's generator."""
     b, vocab = logits.shape
     dev = logits.device
     logits = logits.float()
@@ -149,32 +157,21 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     if not picked_rows:
         return out
     picked = [params[i] for i in picked_rows]
-    # Per-row settings in one copy each, none of which waits for the device (pageable, non-blocking).
-    ints = upload([picked_rows, [p.top_k or vocab for p in picked],
-                   [p.seed & (2**63 - 1) if counters is not None else 0 for p in picked],
+    # Per-row settings in one copy each, queued without waiting on the device.
+    ints = upload([picked_rows, [p.top_k or vocab for p in picked], [p.seed & (2**63 - 1) for p in picked],
                    [counters[i] if counters is not None else 0 for i in picked_rows]], dev, torch.long)
     floats = upload([[p.temperature for p in picked], [p.top_p for p in picked]], dev, torch.float32)
     rows, top_k, seeds, steps = ints
     temps, top_p = floats
-    # Only the best max(top_k) candidates of each row can be drawn: a top-k instead of a sort of the vocabulary.
-    k = min(max(p.top_k or vocab for p in picked), vocab)
-    scaled, order = (logits[rows] / temps[:, None]).topk(k, dim=-1)  # [S, k], best first
-    rank = torch.arange(k, device=dev)
-    scaled = scaled.masked_fill(rank >= top_k[:, None], float("-inf"))
-    probs = scaled.softmax(-1)
-    probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)  # the smallest head holding top_p
-    noise = torch.empty_like(probs).exponential_()
-    hashed = [j for j, i in enumerate(picked_rows) if counters is not None and params[i].seed]
-    if hashed:
-        if len(hashed) == len(picked_rows):
-            noise = hashed_exponential(seeds, steps, k)  # noise per candidate rank: a draw from `probs`
-        else:
+    k = min(max(p.top_k or vocab for p in picked), vocab)  # only the best max(top_k) can be drawn
+    probs, order = _candidates(logits[rows], temps, top_k, top_p, k)
+    hashed = [j for j, p in enumerate(picked) if p.seed]
+    if len(hashed) == len(picked):
+        noise = hashed_exponential(seeds, steps, k)  # noise per candidate rank: a draw from `probs`
+    else:
+        noise = torch.empty_like(probs).exponential_()
+        if hashed:
             at = upload(hashed, dev)
             noise[at] = hashed_exponential(seeds[at], steps[at], k)
-    hashed_set = set(hashed)
-    for j, i in enumerate(picked_rows):
-        if generators is not None and generators[i] is not None and j not in hashed_set:
-            noise[j] = torch.empty(k, device=dev).exponential_(generator=generators[i])
-    choice = (probs / noise).argmax(-1)  # the exponential race: a draw from `probs`
-    out[rows] = order.gather(-1, choice[:, None])[:, 0]
+    out[rows] = _race(probs, order, noise)
     return out

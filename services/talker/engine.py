@@ -81,9 +81,10 @@ class NativeTalker(SpeechEngine):
         self.cp_graphs = self.graphs = None
         if cuda_graph_max_batch and self.device.type == "cuda":  # the predictor is dense: no experts to capture
             from services.llm.graphs import CapturedGraphs, ladder
-            self.cp_graphs = CapturedGraphs(ladder(min(cuda_graph_max_batch, max_seqs)), self._predict_body, self.device)
+            sizes = ladder(min(cuda_graph_max_batch, max_seqs))
+            self.cp_graphs = CapturedGraphs(sizes, self._predict_body, self.device)
             if self.attention_backend == "flashinfer" and moe == "grouped" and fp8_experts != "block":
-                self._capture(ladder(min(cuda_graph_max_batch, max_seqs)), blocks, text)
+                self._capture(sizes, blocks, text)
 
     def _capture(self, sizes: list[int], scratch: int, text) -> None:
         """The talker's decode steps (one input row per request, positions equal on the three M-RoPE rows)
@@ -243,7 +244,7 @@ class NativeTalker(SpeechEngine):
         if caught_up:
             seqs = [work[i].seq.owner for i in caught_up]
             frames = [len(s.frames) for s in seqs]
-            codes = sample_batch(logits, [s.params for s in seqs], None, [[f[0] for f in s.frames] for s in seqs],
+            codes = sample_batch(logits, [s.params for s in seqs], [[f[0] for f in s.frames] for s in seqs],
                                  frames, [self.suppressed(s) for s in seqs], counters=frames).tolist()
             for seq, code, past in zip(seqs, codes, h):
                 seq.past_hidden = past

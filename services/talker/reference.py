@@ -22,6 +22,12 @@ class ReferenceTalker(SpeechEngine):
         talker = load_component("talker", model_dir, device, dtype, load_format, seed)
         super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames))
 
+    def add(self, seq: TalkerSeq) -> None:
+        super().add(seq)
+        seq.generator = seq.params.generator(self.device)
+        if seq.predictor_params is not None:
+            seq.predictor_generator = seq.predictor_params.generator(self.device)
+
     def started(self, seq: TalkerSeq) -> bool:
         return seq.cache is not None
 

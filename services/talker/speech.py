@@ -44,8 +44,8 @@ class TalkerSeq:
     past_hidden: torch.Tensor | None = None  # talker output at the last position ([1, 1, D] reference, [D] native)
     frames: list[list[int]] = field(default_factory=list)
     decoded: int = 0  # frames already turned into audio
-    generator: torch.Generator | None = None
-    predictor_generator: torch.Generator | None = None  # the reference engine's; the native one hashes seeds
+    generator: torch.Generator | None = None  # the reference engine's two; the native one hashes seeds
+    predictor_generator: torch.Generator | None = None
     predictor_params: SamplingParams | None = None  # None: greedy
     tts: torch.Tensor | None = None  # [3, D] projected tts bos, eos, pad
     seconds: dict = field(default_factory=lambda: {"talker": 0.0, "code_predictor": 0.0, "code2wav": 0.0})
@@ -91,11 +91,9 @@ class SpeechEngine:
     def add(self, seq: TalkerSeq) -> None:
         if seq.params.max_tokens < 1:
             raise InvalidArgument("talker max frames must be at least 1")
-        seq.generator = seq.params.generator(self.device)
         if seq.params.temperature > 0:  # the predictor samples too, from its own stream of the request's seed
             seed = seq.params.seed + 1 if seq.params.seed else 0
             seq.predictor_params = replace(PREDICTOR_SAMPLING, seed=seed)
-            seq.predictor_generator = seq.predictor_params.generator(self.device)
 
     def ready(self, seq: TalkerSeq) -> bool:
         if seq.done:

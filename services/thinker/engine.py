@@ -158,9 +158,9 @@ class NativeThinker:
     # -- one step ----------------------------------------------------------------------------------
 
     def _graphable(self, work: list[Work]) -> bool:
-        """Every sequence decodes one token it generated (no prompt rows, which may carry media)."""
+        """Every sequence decodes the one token it generated last (no prompt rows, which may carry media)."""
         return (self.graphs is not None and len(work) <= self.graphs.max_batch
-                and all(w.n == 1 and w.start >= len(w.seq.owner.prompt_ids) for w in work))
+                and all(w.n == 1 and w.start >= len(w.seq.owner.prompt_ids) and w.start + 1 == len(w.seq.tokens) for w in work))
 
     def _graph_step(self, work: list[Work]):
         b = self.graphs.size_for(len(work))
@@ -171,17 +171,10 @@ class NativeThinker:
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         embeds, captured, logits = self.graphs.replay(b)
         self.scheduler.advance(work)
-        if captured is not None:  # the graph's outputs are overwritten by its next replay
-            rows = [i for i, w in enumerate(work) if w.seq.owner.return_states]
-            embeds, captured = self._detached(embeds, rows), self._detached(captured, rows)
-        return self._outputs(work, embeds, captured, lambda rows: logits[:len(work)] if len(rows) == len(work) else logits[rows])
-
-    @staticmethod
-    def _detached(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        out = torch.zeros_like(t)
-        if rows:
-            out[rows] = t[rows]
-        return out
+        n = len(work)
+        if captured is not None and any(w.seq.owner.return_states for w in work):  # the next replay overwrites them
+            embeds, captured = embeds[:n].clone(), captured[:n].clone()
+        return self._outputs(work, embeds, captured, lambda rows: logits[:n])  # every row ends: rows == 0..n-1
 
     def _inputs(self, work: list[Work]):
         """Input embeddings [N, H] (multimodal rows from their spans), positions [3, N], DeepStack rows and values."""
@@ -227,7 +220,7 @@ class NativeThinker:
             seen = [w.seq.tokens if s.params.repetition_penalty != 1.0 else None
                     for (w, _), s in zip(ends, owners)]
             generated = [len(s.generated) for s in owners]
-            chosen = sample_batch(logits, [s.params for s in owners], None, seen, generated, counters=generated)
+            chosen = sample_batch(logits, [s.params for s in owners], seen, generated, counters=generated)
             t_wait = time.perf_counter()
             tokens = chosen.tolist()  # the step's one wait on the device
             self.last_wait_s = time.perf_counter() - t_wait
