@@ -1,17 +1,21 @@
-"""One full-size MoE layer's experts, bf16 grouped GEMM against fp8 (per-channel weights, per-token
-activations), by number of tokens: time per call (replayed as a CUDA graph, as decode runs it) and the
-output difference.
+"""One full-size MoE layer's experts by number of tokens, every way we can run them: bf16 through the grouped
+GEMM and through our Triton kernels, fp8 (per-channel weights) through `torch._scaled_grouped_mm` (per-token
+activations) and through the Triton kernels, fp8 with 128 x 128 tile scales through the Triton kernels. Time
+per call replayed as a CUDA graph (as decode runs it), the weight bandwidth it reached, and each output's
+difference from bf16 grouped. `--tiles` also times the Triton kernels' tile shapes at each token count.
 
     python -m bench.moe --out bench/results/moe-1xh200.json
 """
 
 import argparse
+import itertools
 import json
 import time
 
 import torch
 
 from bench import results
+from services.llm import triton_moe
 from services.llm.context import step_context
 from services.llm.fp8 import Fp8Experts
 from services.llm.layers import Experts
@@ -36,11 +40,30 @@ def graph_ms(fn, iters: int) -> float:
     return 1000 * (time.perf_counter() - t0) / iters
 
 
+def tile_sweep(n: int, x, ids, w, experts, iters: int) -> list[dict]:
+    """Every tile shape of a small grid for the bf16 kernels at n tokens, fastest first."""
+    default, timed = triton_moe._tiles, []
+    for bm, bn, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (3, 4, 5)):
+        if bm > max(16, 2 * n):
+            continue
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages)
+        triton_moe._tiles = lambda t, cfg=cfg: cfg
+        try:
+            ms = graph_ms(lambda: triton_moe.experts(x, ids, w, experts.gate_up_proj, experts.down_proj), iters)
+            timed.append({**cfg, "ms": ms})
+        except Exception as e:  # a shape that does not fit in shared memory: skip it
+            timed.append({**cfg, "error": str(e)[:120]})
+        finally:
+            triton_moe._tiles = default
+    return sorted(timed, key=lambda c: c.get("ms", float("inf")))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tokens", default="1,8,32,64,128,512,2048")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--tiles", default="", help="token counts at which to time the Triton tile shapes (e.g. 1,32)")
     args = p.parse_args(argv)
     tc = load_config(None).thinker_config.text_config
     dev = torch.device("cuda")
@@ -49,25 +72,38 @@ def main(argv=None):
         experts = Experts(tc.hidden_size, tc.num_experts, tc.moe_intermediate_size).to(torch.bfloat16)
     for p_ in experts.parameters():
         p_.data.normal_(0, 0.02, generator=gen)
-    fp8 = Fp8Experts(experts, None)
+    channel, block = Fp8Experts(experts, None), Fp8Experts(experts, 128)
+    ways = {  # name: (module, experts backend, bytes per weight)
+        "bf16_grouped": (experts, "grouped", 2), "bf16_triton": (experts, "triton", 2),
+        "fp8_grouped": (channel, "grouped", 1), "fp8_triton": (channel, "triton", 1), "fp8block_triton": (block, "triton", 1),
+    }
     result = results.new_result("moe", {"experts": tc.num_experts, "top_k": tc.num_experts_per_tok, "hidden": tc.hidden_size,
                                         "intermediate": tc.moe_intermediate_size}, {}, {"args": vars(args)})
     result["machine"] = results.machine()
+    tiles_at = {int(t) for t in args.tiles.split(",") if t}
+    per_expert = 3 * tc.hidden_size * tc.moe_intermediate_size
     for n in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(n, tc.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
         logits = torch.randn(n, tc.num_experts, device=dev, generator=gen)
         w, ids = logits.softmax(-1).topk(tc.num_experts_per_tok, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-        with torch.no_grad(), step_context(None, "grouped"):
-            ref, out = experts(x, ids, w).float(), fp8(x, ids, w).float()
-            bf16_ms = graph_ms(lambda: experts(x, ids, w), args.iters)
-            fp8_ms = graph_ms(lambda: fp8(x, ids, w), args.iters)
-        # Weight bytes the call must read: every expert some token chose, all three projections.
-        touched = ids.unique().numel()
-        per_expert = 3 * tc.hidden_size * tc.moe_intermediate_size
-        cell = {"tokens": n, "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "speedup": bf16_ms / fp8_ms, "experts_touched": touched,
-                "bf16_weight_GBps": touched * per_expert * 2 / bf16_ms / 1e6, "fp8_weight_GBps": touched * per_expert / fp8_ms / 1e6,
-                "rel_l2_diff": ((out - ref).norm() / ref.norm()).item(), "status": "ok"}
+        touched = ids.unique().numel()  # the call must read every expert some token chose, all three projections
+        cell = {"tokens": n, "experts_touched": touched, "status": "ok"}
+        with torch.no_grad():
+            with step_context(None, "grouped"):
+                ref = experts(x, ids, w).float()
+            for name, (module, backend, width) in ways.items():
+                if backend == "triton" and n > triton_moe.MAX_TOKENS and module is not block:
+                    continue  # the engine runs the grouped GEMM there
+                with step_context(None, backend):
+                    out = module(x, ids, w).float()
+                    ms = graph_ms(lambda: module(x, ids, w), args.iters)
+                cell[f"{name}_ms"] = ms
+                cell[f"{name}_weight_GBps"] = touched * per_expert * width / ms / 1e6
+                cell[f"{name}_rel_l2"] = ((out - ref).norm() / ref.norm()).item()
+            if n in tiles_at:
+                cell["tiles"] = tile_sweep(n, x, ids, w, experts, args.iters)[:8]
+        cell["speedup_fp8_triton"] = cell["bf16_grouped_ms"] / cell.get("fp8_triton_ms", cell["fp8_grouped_ms"])
         result["cells"].append(cell)
         print(json.dumps(cell), flush=True)
         results.write(result, args.out)

@@ -148,3 +148,42 @@ def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
     assert rel(fast, ref) < 0.03
     assert rel(fast, bf16) < 0.06  # what e4m3 costs: measured on these activations, bounded here
     assert rel(captured.float(), fast[:64]) < 1e-3  # replayed in a graph: the same as run eagerly
+
+
+def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
+    """The Triton experts (bf16, fp8 per channel, fp8 per 128 x 128 tile) on a layer's real activations, at
+    decode-sized token counts, against the bf16 grouped GEMM; replayed from a graph as run eagerly."""
+    from services.llm.context import step_context
+    from services.llm.fp8 import Fp8Experts
+
+    engine, hf = pair
+    layer = engine.model.model.layers[20].mlp
+    seen = {}
+    hook = layer.register_forward_hook(lambda m, a, out: seen.update(x=a[0].detach().clone()))
+    ids = torch.randint(0, hf.lm_head.weight.shape[0], (300,), generator=torch.Generator().manual_seed(4))
+    s = seq("acts", ids, 1)
+    engine.add(s)
+    engine.step([s])
+    engine.free(s)
+    hook.remove()
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    ways = {"bf16": (layer.experts, 0.01), "fp8-channel": (Fp8Experts(layer.experts, None), 0.06),
+            "fp8-block": (Fp8Experts(layer.experts, 128), 0.06)}
+    for n in (1, 8, 64):
+        x = seen["x"][:n].clone()
+        probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)
+        w, top = torch.topk(probs, 8, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        with torch.no_grad():
+            with step_context(None, "grouped"):
+                ref = layer.experts(x, top, w)
+            for name, (module, bound) in ways.items():
+                with step_context(None, "triton"):
+                    eager = module(x, top, w)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        captured = module(x, top, w)
+                    graph.replay()
+                print(f"{n} tokens, triton {name} vs bf16 grouped: {rel(eager, ref):.4f}")
+                assert rel(eager, ref) < bound, (n, name)  # bf16 rounding; what e4m3 weights cost (bf16 activations)
+                assert torch.equal(captured, eager), (n, name)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.llm import triton_moe
 from services.llm.context import get_context
 from services.llm.layers import Experts
 from services.llm.moe import by_expert
@@ -64,7 +65,11 @@ class Fp8Experts(nn.Module):
             self.register_buffer(f"{name}_scale", scale)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.block is None and get_context().moe_backend == "grouped":
+        backend = get_context().moe_backend
+        if x.is_cuda and backend == "triton" and (self.block or x.shape[0] <= triton_moe.MAX_TOKENS):
+            return triton_moe.experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
+                                      self.down_proj_scale, self.block)
+        if x.is_cuda and self.block is None and backend in ("grouped", "triton"):
             return self.grouped(x, ids, weights)
         return self.reference(x, ids, weights)
 

@@ -1,16 +1,26 @@
-"""Routed experts of a MoE layer, two ways: the loop over experts that transformers runs (the reference,
-in its order of summation) and a grouped GEMM over tokens sorted by expert (one launch per projection)."""
+"""Routed experts of a MoE layer, three ways: the loop over experts that transformers runs (the reference,
+in its order of summation), a grouped GEMM over tokens sorted by expert (one launch per projection), and
+for the few tokens of a decode step Triton kernels that stream each touched expert once (triton_moe.py)."""
 
 import torch
 import torch.nn.functional as F
+
+from services.llm import triton_moe
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 backend: str = "loop") -> torch.Tensor:
     """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H]."""
-    if backend == "grouped":  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
+    if backend == "triton" and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
+        return triton_moe.experts(x, ids, weights, gate_up, down)
+    if backend in ("grouped", "triton"):  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
         return (OPS["grouped"] if x.dtype == torch.bfloat16 else grouped)(x, ids, weights, gate_up, down)
     return loop(x, ids, weights, gate_up, down)
+
+
+def capturable(backend: str, fp8_experts: str = "off") -> bool:
+    """Whether a decode step's experts run without asking the device for sizes, so a CUDA graph can hold them."""
+    return backend == "triton" or (backend == "grouped" and fp8_experts != "block")
 
 
 def loop(x, ids, weights, gate_up, down):

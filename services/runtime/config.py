@@ -123,18 +123,19 @@ class LMStageConfig:
     # reference: transformers' modules, one request per forward; native: paged KV and continuous batching.
     engine: Literal["reference", "native"] = "reference"
     # native engine: KV cache blocks of block_size tokens (0 blocks: as many as the device has room for),
-    # at most max_batched_tokens tokens and max_seqs sequences per step, experts by loop or grouped GEMM.
+    # at most max_batched_tokens tokens and max_seqs sequences per step; experts by loop, grouped GEMM, or
+    # triton: Triton kernels for decode-sized steps and the grouped GEMM for longer ones (GPU only).
     block_size: int = 16
     kv_blocks: int = 0
     max_batched_tokens: int = 2048
     max_seqs: int = 256
-    moe: Literal["loop", "grouped"] = "loop"
+    moe: Literal["loop", "grouped", "triton"] = "loop"
     # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile; off: the model's dtype.
     fp8_experts: Literal["off", "channel", "block"] = "off"
     # Attention kernels: flashinfer (GPU, 16-bit), PyTorch's SDPA (anywhere), or auto: flashinfer where it can run.
     attention: Literal["auto", "torch", "flashinfer"] = "auto"
-    # Decode steps of up to this many sequences replay CUDA graphs (flashinfer attention and grouped experts
-    # only); 0: every step runs eagerly.
+    # Decode steps of up to this many sequences replay CUDA graphs (flashinfer attention, grouped or triton
+    # experts); 0: every step runs eagerly.
     cuda_graph_max_batch: int = 0
     # Compile the layers' elementwise work (norms, rotary, routing, experts glue) into fused kernels.
     compile: bool = False

@@ -14,6 +14,7 @@ from services.llm.host import upload_into
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
+from services.llm.moe import capturable
 from services.llm.sampling import SamplingParams, sample_batch, sample_tensors
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
@@ -83,7 +84,7 @@ class NativeTalker(SpeechEngine):
             from services.llm.graphs import CapturedGraphs, ladder
             sizes = ladder(min(cuda_graph_max_batch, max_seqs))
             self.cp_graphs = CapturedGraphs(sizes, self._predict_body, self.device)
-            if self.attention_backend == "flashinfer" and moe == "grouped" and fp8_experts != "block":
+            if self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
                 self._capture(sizes, blocks, text)
 
     def _capture(self, sizes: list[int], scratch: int, text) -> None:

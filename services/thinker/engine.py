@@ -12,6 +12,7 @@ from services.llm.fp8 import FP8_BLOCK, quantize_experts_
 from services.llm.host import upload_into
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
+from services.llm.moe import capturable
 from services.llm.sampling import sample_batch
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
@@ -64,7 +65,7 @@ class NativeThinker:
             self.attention = TorchAttention(self.cache, scale)
         self.states: dict[int, SeqState] = {}
         self.graphs = None
-        if cuda_graph_max_batch and self.attention_backend == "flashinfer" and moe == "grouped" and fp8_experts != "block":
+        if cuda_graph_max_batch and self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
             self._capture(min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace)
 
     def _capture(self, max_batch: int, scratch: int, scale: float, heads: int, workspace) -> None:

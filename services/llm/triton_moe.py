@@ -1,0 +1,161 @@
+"""Routed experts as two Triton kernels, for the few tokens of a decode step.
+
+A decode step routes a handful of tokens to each touched expert, so the step's cost is reading those
+experts' weights. The grouped GEMM pads every expert's group to a wide tile and spends launches on the
+glue between its two GEMMs; here each program takes one expert, up to BLOCK_M of its rows and BLOCK_N
+output channels, and streams that slice of the expert's weights once:
+
+  1. gate_up: rows grouped by expert (moe.by_expert, no host sync), x gathered by token; gate and up
+     accumulated side by side and `silu(gate) * up` stored per grouped row: no [rows, 2I] tensor;
+  2. down: the grouped activations times the expert's down projection, scaled by the row's routing
+     weight and stored at the row's own place, so the k rows of a token are summed without atomics.
+
+Weights are bf16, or fp8 (e4m3) with per-channel or 128 x 128 tile scales dequantised in the kernel
+(activations stay bf16: fp8 here only halves the bytes read, which is what a decode step waits on).
+The grid depends only on the token count, so a captured graph replays it for any routing.
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton: the grouped GEMM and the loop remain
+    triton = None
+
+SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
+# Steps of up to this many tokens run these kernels with `moe: triton`; longer ones (prefill) the grouped GEMM,
+# which wins once every expert has many rows (bench/moe.py).
+MAX_TOKENS = 128
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, order_ptr, ends_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K_ROUTED,
+                        stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+                        SCALE: tl.constexpr, DOT: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e = tl.program_id(0) // M_BLOCKS
+        first = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+        row0 = first + (tl.program_id(0) % M_BLOCKS) * BLOCK_M
+        if row0 < end:
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < end
+            tok = tl.load(order_ptr + offs_m, mask=m_mask, other=0) // K_ROUTED
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+            g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+            u_ptrs = g_ptrs + I * stride_wn
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, H, BLOCK_K):
+                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
+                g = tl.load(g_ptrs).to(DOT)
+                u = tl.load(u_ptrs).to(DOT)
+                if SCALE == 2:  # one scale per 128 x 128 tile: BLOCK_N and BLOCK_K divide 128
+                    s_g = tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)
+                    s_u = tl.load(s_ptr + e * stride_se + ((offs_n + I) // 128) * stride_sn + kk // 128)
+                    acc_g += tl.dot(a, tl.trans(g)) * s_g[None, :]
+                    acc_u += tl.dot(a, tl.trans(u)) * s_u[None, :]
+                else:
+                    acc_g = tl.dot(a, tl.trans(g), acc_g)
+                    acc_u = tl.dot(a, tl.trans(u), acc_u)
+                a_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
+            if SCALE == 1:
+                acc_g *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
+                acc_u *= tl.load(s_ptr + e * stride_se + I + offs_n)[None, :]
+            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None])
+
+    @triton.jit
+    def _down_kernel(a_ptr, w_ptr, s_ptr, order_ptr, ends_ptr, route_w_ptr, out_ptr, I: tl.constexpr,
+                     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+                     SCALE: tl.constexpr, DOT: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e = tl.program_id(0) // M_BLOCKS
+        first = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+        row0 = first + (tl.program_id(0) % M_BLOCKS) * BLOCK_M
+        if row0 < end:
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < end
+            rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0)
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + offs_m[:, None] * stride_a + offs_k[None, :]
+            w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, I, BLOCK_K):
+                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
+                w = tl.load(w_ptrs).to(DOT)
+                if SCALE == 2:
+                    s = tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)
+                    acc += tl.dot(a, tl.trans(w)) * s[None, :]
+                else:
+                    acc = tl.dot(a, tl.trans(w), acc)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            if SCALE == 1:
+                acc *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
+            acc *= tl.load(route_w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None])
+
+
+# Tile shapes by routed rows per expert (at most the token count): few rows want narrow tiles and many
+# programs (bandwidth); the table is what measured best on an H200 (bench/moe.py --backends).
+def _tiles(tokens: int) -> dict:
+    if tokens <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+            gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+            block: int | None = None) -> torch.Tensor:
+    """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] (bf16, or fp8 with `*_scale`:
+    [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype."""
+    from services.llm.moe import by_expert
+
+    if triton is None:
+        raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
+    t, k = ids.shape
+    n_exp, two_i, h = gate_up.shape
+    i = two_i // 2
+    scale = SCALE_NONE if gate_up_scale is None else (SCALE_CHANNEL if block is None else SCALE_BLOCK)
+    if scale == SCALE_BLOCK and block != 128:
+        raise ValueError(f"tile scales of {block} x {block}: the kernels read 128 x 128 tiles")
+    cfg = _tiles(t)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if h % bk or i % bk or i % bn or h % bn:
+        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
+    x = x.contiguous()
+    order, ends = by_expert(ids, n_exp)
+    # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter (the tests), whose bf16 dot is wrong
+    dot = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+    m_blocks = triton.cdiv(t, bm)  # an expert holds at most one row per token (top-k ids are distinct)
+    act = torch.empty(t * k, i, device=x.device, dtype=x.dtype)
+    su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
+    sd = down_scale if down_scale is not None else act
+    su_n = su.stride(1) if su.dim() == 3 else 0
+    sd_n = sd.stride(1) if sd.dim() == 3 else 0
+    _gate_up_kernel[(n_exp * m_blocks, i // bn)](
+        x, gate_up, su, order, ends, act, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        su.stride(0), su_n, act.stride(0), SCALE=scale, DOT=dot, M_BLOCKS=m_blocks, **cfg)
+    y = torch.empty(t * k, h, device=x.device, dtype=torch.float32)
+    _down_kernel[(n_exp * m_blocks, h // bn)](
+        act, down, sd, order, ends, weights.reshape(-1).contiguous(), y, i, act.stride(0), down.stride(0),
+        down.stride(1), sd.stride(0), sd_n, y.stride(0), SCALE=scale, DOT=dot, M_BLOCKS=m_blocks, **cfg)
+    return y.view(t, k, h).sum(1).to(x.dtype)

@@ -1,0 +1,60 @@
+"""The experts' Triton kernels (services/llm/triton_moe.py) run here in Triton's CPU interpreter, in a child
+process (the interpreter is chosen when the kernels are defined): bf16 and fp8 experts (per-channel and
+128 x 128 tile scales) against the loop over experts on the same, dequantised, weights."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHILD = r"""
+import json, sys
+import torch
+from services.llm import fp8, moe, triton_moe
+
+torch.manual_seed(0)
+E, H, I, K = 8, 256, 128, 3  # the kernels' tiles: 64 channels by 128 of the reduction
+out = {}
+for t in (1, 5, 17, 40):  # one token; under one tile of rows; over it; a second tile shape (BLOCK_M 32, two blocks)
+    x = torch.randn(t, H).to(torch.bfloat16)
+    w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)  # distinct experts per token, as a router gives
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+    ref = moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float())
+    out[f"bf16/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down), ref)
+    for block in (None, 128):
+        (gq, gs), (dq, ds) = fp8.quantize(gate_up, block), fp8.quantize(down, block)
+        ref = moe.loop(x.float(), ids, w.float(), fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
+        out[f"fp8-{block or 'channel'}/{t}"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds, block), ref)
+json.dump(out, sys.stdout)
+"""
+
+
+def test_triton_experts_equal_the_loop_over_experts():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rel = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rel) == 12
+    # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
+    assert all(v < 1e-2 for v in rel.values()), rel
+
+
+def test_a_wrong_tile_size_is_refused():
+    import torch
+
+    from services.llm import triton_moe
+
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    ids, w = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bfloat16)
+    q = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="128 x 128"):
+        triton_moe.experts(x, ids, w, q, q[:, :, :128], torch.ones(2, 4, 2), torch.ones(2, 2, 1), block=64)
