@@ -40,17 +40,18 @@ def graph_ms(fn, iters: int) -> float:
     return 1000 * (time.perf_counter() - t0) / iters
 
 
-def tile_sweep(n: int, x, ids, w, experts, iters: int) -> list[dict]:
-    """Every tile shape of a small grid for the bf16 kernels at n tokens, fastest first."""
+def tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
+    """The Triton kernels' tile shapes on a small grid at n tokens (bf16 or fp8 per-channel experts), fastest first."""
     default, timed = triton_moe._tiles, []
-    for bm, bn, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (3, 4, 5)):
-        if bm > max(16, 2 * n):
+    fp8 = isinstance(module, Fp8Experts)
+    for bm, bn, bk, warps, stages in itertools.product((16, 32), (32, 64, 128), (128, 256) if fp8 else (128,), (4, 8), (3, 5)):
+        if bm > max(16, n):
             continue
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages)
-        triton_moe._tiles = lambda t, cfg=cfg: cfg
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        triton_moe._tiles = lambda t, fp8=False, cfg=cfg: cfg
         try:
-            ms = graph_ms(lambda: triton_moe.experts(x, ids, w, experts.gate_up_proj, experts.down_proj), iters)
-            timed.append({**cfg, "ms": ms})
+            with step_context(None, "triton"):
+                timed.append({**cfg, "ms": graph_ms(lambda: module(x, ids, w), iters)})
         except Exception as e:  # a shape that does not fit in shared memory: skip it
             timed.append({**cfg, "error": str(e)[:120]})
         finally:
@@ -93,7 +94,7 @@ def main(argv=None):
             with step_context(None, "grouped"):
                 ref = experts(x, ids, w).float()
             for name, (module, backend, width) in ways.items():
-                if backend == "triton" and n > triton_moe.MAX_TOKENS and module is not block:
+                if backend == "triton" and n > 2 * triton_moe.MAX_TOKENS and module is not block:
                     continue  # the engine runs the grouped GEMM there
                 with step_context(None, backend):
                     out = module(x, ids, w).float()
@@ -102,7 +103,8 @@ def main(argv=None):
                 cell[f"{name}_weight_GBps"] = touched * per_expert * width / ms / 1e6
                 cell[f"{name}_rel_l2"] = ((out - ref).norm() / ref.norm()).item()
             if n in tiles_at:
-                cell["tiles"] = tile_sweep(n, x, ids, w, experts, args.iters)[:8]
+                cell["tiles_bf16"] = tile_sweep(n, x, ids, w, experts, args.iters)[:6]
+                cell["tiles_fp8"] = tile_sweep(n, x, ids, w, channel, args.iters)[:6]
         cell["speedup_fp8_triton"] = cell["bf16_grouped_ms"] / cell.get("fp8_triton_ms", cell["fp8_grouped_ms"])
         result["cells"].append(cell)
         print(json.dumps(cell), flush=True)

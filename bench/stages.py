@@ -88,6 +88,8 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
     warm = batch(1, 16, 3)
     for _ in range(3):
         engine.step(warm)
+    for s in warm:  # an engine keeps stepping a sequence until it is freed (the server frees it when it stops)
+        engine.free(s)
     for length in args.prompt_lens:
         for b in args.batches:
             # Long enough that no sequence finishes inside the cell: the first ones admitted decode while the
@@ -195,7 +197,10 @@ def talker_cells(cfg: MeshConfig, device: str, args):
             walls.append(timed(lambda: engine.step(ready), dev)[0])
         return walls
 
-    run(batch(1, 3))
+    warm = batch(1, 3)
+    run(warm)
+    for s in warm:
+        engine.free(s)
     for b in args.batches:
         seqs = batch(b, args.frames)
         walls = run(seqs)

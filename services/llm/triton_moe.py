@@ -5,16 +5,18 @@ experts' weights. The grouped GEMM pads every expert's group to a wide tile and 
 glue between its two GEMMs; here each program takes one expert, up to BLOCK_M of its rows and BLOCK_N
 output channels, and streams that slice of the expert's weights once:
 
-  1. gate_up: rows grouped by expert (moe.by_expert, no host sync), x gathered by token; gate and up
-     accumulated side by side and `silu(gate) * up` stored per grouped row: no [rows, 2I] tensor;
-  2. down: the grouped activations times the expert's down projection, scaled by the row's routing
-     weight and stored at the row's own place, so the k rows of a token are summed without atomics.
+  1. gate_up: each program finds its expert's rows among the step's routed ids itself (no sort, no host
+     sync), gathers x by token, accumulates gate and up side by side and stores `silu(gate) * up` per
+     routed row: no [rows, 2I] tensor;
+  2. down: those rows' activations times the expert's down projection, scaled by the row's routing weight
+     and stored at the row's own place, so the k rows of a token are summed after, without atomics.
 
 Weights are bf16, or fp8 (e4m3) with per-channel or 128 x 128 tile scales dequantised in the kernel
 (activations stay bf16: fp8 here only halves the bytes read, which is what a decode step waits on).
 The grid depends only on the token count, so a captured graph replays it for any routing.
 """
 
+import contextlib
 import os
 
 import torch
@@ -28,7 +30,7 @@ except ImportError:  # CPU installs without triton: the grouped GEMM and the loo
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 # Steps of up to this many tokens run these kernels with `moe: triton`; longer ones (prefill) the grouped GEMM,
 # which wins once every expert has many rows (bench/moe.py).
-MAX_TOKENS = 128
+MAX_TOKENS = 64
 
 
 def available() -> bool:
@@ -38,18 +40,27 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, order_ptr, ends_ptr, out_ptr, H: tl.constexpr, I: tl.constexpr, K_ROUTED,
-                        stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-                        SCALE: tl.constexpr, DOT: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _expert_rows(ids_ptr, e, block, R, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The routed rows (token * k + slot) that chose expert `e`: the `block`-th BLOCK_M of them in row
+        order, their mask, and whether there are any. Every program finds its own from the step's ids (a
+        few hundred of them), so no sort runs before the kernels."""
+        offs_r = tl.arange(0, R_PAD)
+        hit = (tl.load(ids_ptr + offs_r, mask=offs_r < R, other=-1) == e).to(tl.int32)
+        rank = tl.cumsum(hit, 0) - 1 + (1 - hit) * R_PAD  # a row's place among the expert's; others out of range
+        slot = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.sum(tl.where(rank[None, :] == slot[:, None], offs_r[None, :], 0), axis=1)
+        count = tl.sum(hit, 0)
+        return rows, slot < count, block * BLOCK_M < count
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, R, H: tl.constexpr, I: tl.constexpr,
+                        K_ROUTED: tl.constexpr, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+                        SCALE: tl.constexpr, DOT: tl.constexpr, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         e = tl.program_id(0) // M_BLOCKS
-        first = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(ends_ptr + e)
-        row0 = first + (tl.program_id(0) % M_BLOCKS) * BLOCK_M
-        if row0 < end:
-            offs_m = row0 + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < end
-            tok = tl.load(order_ptr + offs_m, mask=m_mask, other=0) // K_ROUTED
+        rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
+        if any_rows:
+            tok = rows // K_ROUTED
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
@@ -76,25 +87,20 @@ if triton is not None:
                 acc_g *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
                 acc_u *= tl.load(s_ptr + e * stride_se + I + offs_n)[None, :]
             act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
+            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
                      mask=m_mask[:, None])
 
     @triton.jit
-    def _down_kernel(a_ptr, w_ptr, s_ptr, order_ptr, ends_ptr, route_w_ptr, out_ptr, I: tl.constexpr,
+    def _down_kernel(a_ptr, w_ptr, s_ptr, ids_ptr, route_w_ptr, out_ptr, R, I: tl.constexpr,
                      stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-                     SCALE: tl.constexpr, DOT: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SCALE: tl.constexpr, DOT: tl.constexpr, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         e = tl.program_id(0) // M_BLOCKS
-        first = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(ends_ptr + e)
-        row0 = first + (tl.program_id(0) % M_BLOCKS) * BLOCK_M
-        if row0 < end:
-            offs_m = row0 + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < end
-            rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0)
+        rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
+        if any_rows:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + offs_m[:, None] * stride_a + offs_k[None, :]
+            a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
             w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, I, BLOCK_K):
@@ -116,7 +122,7 @@ if triton is not None:
 
 # Tile shapes by routed rows per expert (at most the token count): few rows want narrow tiles and many
 # programs (bandwidth); the table is what measured best on an H200 (bench/moe.py --backends).
-def _tiles(tokens: int) -> dict:
+def _tiles(tokens: int, fp8: bool = False) -> dict:
     if tokens <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -127,8 +133,6 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
             block: int | None = None) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] (bf16, or fp8 with `*_scale`:
     [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype."""
-    from services.llm.moe import by_expert
-
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
@@ -137,25 +141,30 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     scale = SCALE_NONE if gate_up_scale is None else (SCALE_CHANNEL if block is None else SCALE_BLOCK)
     if scale == SCALE_BLOCK and block != 128:
         raise ValueError(f"tile scales of {block} x {block}: the kernels read 128 x 128 tiles")
-    cfg = _tiles(t)
+    cfg = _tiles(t, scale != SCALE_NONE)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if h % bk or i % bk or i % bn or h % bn:
         raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
-    x = x.contiguous()
-    order, ends = by_expert(ids, n_exp)
+    x, flat_ids = x.contiguous(), ids.reshape(-1).contiguous()
     # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter (the tests), whose bf16 dot is wrong
     dot = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
     m_blocks = triton.cdiv(t, bm)  # an expert holds at most one row per token (top-k ids are distinct)
-    act = torch.empty(t * k, i, device=x.device, dtype=x.dtype)
+    r, r_pad = t * k, triton.next_power_of_2(t * k)
+    act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up of every routed row
     su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
     sd = down_scale if down_scale is not None else act
     su_n = su.stride(1) if su.dim() == 3 else 0
     sd_n = sd.stride(1) if sd.dim() == 3 else 0
-    _gate_up_kernel[(n_exp * m_blocks, i // bn)](
-        x, gate_up, su, order, ends, act, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        su.stride(0), su_n, act.stride(0), SCALE=scale, DOT=dot, M_BLOCKS=m_blocks, **cfg)
-    y = torch.empty(t * k, h, device=x.device, dtype=torch.float32)
-    _down_kernel[(n_exp * m_blocks, h // bn)](
-        act, down, sd, order, ends, weights.reshape(-1).contiguous(), y, i, act.stride(0), down.stride(0),
-        down.stride(1), sd.stride(0), sd_n, y.stride(0), SCALE=scale, DOT=dot, M_BLOCKS=m_blocks, **cfg)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
+        _launch(x, flat_ids, weights, gate_up, down, su, sd, su_n, sd_n, act, y := torch.empty(r, h, device=x.device, dtype=torch.float32),
+                r, r_pad, h, i, k, n_exp, m_blocks, bn, scale, dot, cfg)
     return y.view(t, k, h).sum(1).to(x.dtype)
+
+
+def _launch(x, flat_ids, weights, gate_up, down, su, sd, su_n, sd_n, act, y, r, r_pad, h, i, k, n_exp, m_blocks, bn, scale, dot, cfg):
+    _gate_up_kernel[(n_exp * m_blocks, i // bn)](
+        x, gate_up, su, flat_ids, act, r, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        su.stride(0), su_n, act.stride(0), SCALE=scale, DOT=dot, R_PAD=r_pad, M_BLOCKS=m_blocks, **cfg)
+    _down_kernel[(n_exp * m_blocks, h // bn)](
+        act, down, sd, flat_ids, weights.reshape(-1).contiguous(), y, r, i, act.stride(0), down.stride(0),
+        down.stride(1), sd.stride(0), sd_n, y.stride(0), SCALE=scale, DOT=dot, R_PAD=r_pad, M_BLOCKS=m_blocks, **cfg)
