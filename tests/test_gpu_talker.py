@@ -1,5 +1,5 @@
-"""The native talker at full size on one GPU (seeded random weights, bf16): the code predictor's frame
-replayed from its CUDA graph gives what the same frame gives run eagerly."""
+"""The native talker at full size on one GPU (seeded random weights, bf16): the code predictor's frame and
+the talker's decode step (Triton experts) replayed from their CUDA graphs give what they give run eagerly."""
 
 import pytest
 import torch
@@ -41,15 +41,21 @@ def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
     from services.model.build import build_full_skeleton
     from services.talker.engine import NativeTalker
     from services.talker.speech import TalkerSeq
+    from transformers import AutoTokenizer
 
-    engine = NativeTalker(build_full_skeleton(tmp_path / "model"), "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
-                          max_seqs=16, moe="grouped", attention="flashinfer", cuda_graph_max_batch=8)
+    model_dir = build_full_skeleton(tmp_path / "model")
+    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
+                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8)
     assert engine.graphs is not None
     spec, gen = engine.spec, torch.Generator().manual_seed(1)
     hidden = spec.thinker_hidden
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     seqs = []
-    for i, n in enumerate((20, 33, 47)):
-        ids = torch.randint(0, 1000, (n,), generator=gen)
+    for i, words in enumerate((3, 12, 25)):  # a user turn and the assistant's opening, as the thinker hands them over
+        chat = [{"role": "user", "content": " ".join(["speak"] * words)}]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        ids = torch.tensor(ids if isinstance(ids, list) else ids["input_ids"], dtype=torch.long)
+        n = len(ids)
         seq = TalkerSeq(f"s{i}", ids, Layout(), spec.voices[spec.default_voice], SamplingParams(max_tokens=40, ignore_eos=True),
                         tts_embeds=torch.randn(3, hidden, generator=gen) / hidden**0.5)
         seq.inbox.append((torch.randn(n + 41, hidden, generator=gen) / hidden**0.5, torch.randn(n + 41, hidden, generator=gen)))
