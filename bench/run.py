@@ -3,7 +3,9 @@
     python -m bench.run --config configs/bench-2xh200.yaml --launch --out bench/results/NAME.json
     python -m bench.run --config configs/bench-2xh200.yaml --engine hf --device cuda:0 --out bench/results/NAME-hf.json
 
-The result file is rewritten after every cell, so a run cut short keeps what it finished.
+The result file is rewritten after every cell, so a run cut short keeps what it finished, and `--resume`
+carries on with it: a sweep longer than one sitting runs in parts (one workload or a few concurrencies at
+a time), each part adding the cells the file lacks, all parts held to the same config and code.
 """
 
 import argparse
@@ -138,13 +140,17 @@ class Sweep:
         return max(self.args.requests_per_slot * concurrency, self.args.min_requests)
 
     def plan(self) -> list[tuple[Workload, int]]:
+        """The cells to run: every workload at every concurrency asked for, less those the file already has."""
         ws = select(self.args.workloads, self.args.max_tokens, self.args.frames, self.args.prompt_bytes)
         bs = [int(b) for b in self.args.concurrency.split(",")]
-        if self.args.order == "concurrency":
-            return [(w, b) for b in bs for w in ws]
-        return [(w, b) for w in ws for b in bs]
+        cells = [(w, b) for b in bs for w in ws] if self.args.order == "concurrency" else [(w, b) for w in ws for b in bs]
+        done = {(c["workload"], c["concurrency"]) for c in self.result["cells"] if c["status"] == "ok"}
+        return [(w, b) for w, b in cells if (w.name, b) not in done]
 
     def add(self, cell: dict) -> None:
+        # A cell run again (skipped before) replaces its earlier entry.
+        self.result["cells"] = [c for c in self.result["cells"]
+                                if (c["workload"], c["concurrency"]) != (cell["workload"], cell["concurrency"])]
         self.result["cells"].append(cell)
         results.write(self.result, self.args.out)
         print_cell(cell)
@@ -154,6 +160,9 @@ class Sweep:
 
     async def run(self, runner, stage_died=lambda: "") -> None:
         plan = self.plan()
+        if not plan:
+            print("every cell asked for is in the file already", flush=True)
+            return
         t0 = time.perf_counter()
         for w in dict.fromkeys(w for w, _ in plan):  # one short request of each workload first: lazy initialisation, not measured
             short = replace(w, max_tokens=min(w.max_tokens, INITIAL_WARMUP_LENGTH), frames=min(w.frames, INITIAL_WARMUP_LENGTH))
@@ -197,6 +206,32 @@ class Sweep:
             await client.close()
 
 
+# What every part of a resumed sweep must share with the first: the same engine, deployment and overrides, lengths
+# and inputs, on the same code and the same kind of machine.
+SAME_ACROSS_PARTS = ("max_tokens", "frames", "prompt_bytes", "image_size", "clip_seconds", "distinct_inputs", "seed",
+                     "min_requests", "requests_per_slot", "warmup_rounds", "engine")
+
+
+def resumed(prior: dict, fresh: dict) -> dict:
+    """`prior` (a file an earlier part wrote) carried on by the part `fresh` describes: its cells kept, the
+    earlier parts' run records kept under `parts`. Refuses a part that would not measure the same thing."""
+    differs = [k for k in SAME_ACROSS_PARTS if prior["run"]["args"].get(k) != fresh["run"]["args"].get(k)]
+    if prior["engine"] != fresh["engine"]:
+        differs.append("engine")
+    if prior["config"]["content"] != fresh["config"]["content"]:
+        differs.append("config (file or --set overrides)")
+    if prior.get("source_digest") != fresh.get("source_digest"):
+        differs.append("code (source_digest)")
+    if [g["name"] for g in prior["machine"].get("gpus", [])] != [g["name"] for g in fresh["machine"].get("gpus", [])]:
+        differs.append("GPUs")
+    if differs:
+        raise SystemExit(f"cannot resume {fresh['run']['args']['out']}: this part differs from the file's in "
+                         f"{', '.join(dict.fromkeys(differs))}; write a new file instead")
+    prior["parts"] = prior.get("parts", []) + [prior["run"]]
+    prior["run"] = fresh["run"]
+    return prior
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="mesh config: the deployment, its model and sampling defaults")
@@ -226,6 +261,7 @@ def parse_args(argv=None):
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--log-dir", default=None, help="stage logs with --launch (default .cache/logs)")
     p.add_argument("--records", action="store_true", help="keep every request's raw record in the result")
+    p.add_argument("--resume", action="store_true", help="--out exists: add the cells it lacks (same config, code, lengths)")
     return p.parse_args(argv)
 
 
@@ -243,6 +279,8 @@ def main(argv=None) -> dict:
            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     result = results.new_result(args.engine, config, results.model_info(cfg.model.dir, cfg.model), run)
     result["machine"] = results.machine()
+    if args.resume and Path(args.out).exists():
+        result = resumed(results.read(args.out), result)
     sweep = Sweep(args, result)
     results.write(result, args.out)
     if args.engine == "hf":

@@ -200,3 +200,21 @@ def test_transformers_thinker_stage(bench_dir):
         decode = by["decode", b]
         assert decode["engine"] == "transformers-generate" and decode["steps"] == 3
         assert decode["tok_per_s"] == pytest.approx(b * 3 / decode["seconds"]) and by["prefill", b]["seconds"] > 0
+
+
+def test_a_sweep_runs_in_parts(bench_dir):
+    """--resume adds the cells a file lacks and keeps the earlier part's; a part that measures something else
+    (here: other lengths) is refused and the file left as it was."""
+    out = bench_dir / "hf-parts.json"
+    args = ["--config", str(bench_dir / "mesh.yaml"), "--engine", "hf", "--device", "cpu", "--out", str(out), "--workloads", "t2t",
+            "--min-requests", "2", "--requests-per-slot", "1", "--max-tokens", "3", "--prompt-bytes", "16"]
+    bench_run.main([*args, "--concurrency", "1"])
+    first = results.read(out)
+    bench_run.main([*args, "--concurrency", "1,2", "--resume"])
+    both = results.read(out)
+    assert [(c["workload"], c["concurrency"], c["status"]) for c in both["cells"]] == [("t2t", 1, "ok"), ("t2t", 2, "ok")]
+    assert both["cells"][0] == first["cells"][0]  # not run again
+    assert [p["args"]["concurrency"] for p in both["parts"]] == ["1"] and both["run"]["args"]["concurrency"] == "1,2"
+    with pytest.raises(SystemExit, match="max_tokens"):
+        bench_run.main([*args[:-4], "--max-tokens", "4", "--prompt-bytes", "16", "--concurrency", "4", "--resume"])
+    assert results.read(out) == both
