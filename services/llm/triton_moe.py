@@ -120,8 +120,9 @@ if triton is not None:
                      mask=m_mask[:, None])
 
 
-# Tile shapes by routed rows per expert (at most the token count): few rows want narrow tiles and many
-# programs (bandwidth); the table is what measured best on an H200 (bench/moe.py --backends).
+# Tile shapes by token count. Measured on an H200 (bench/moe.py --tiles, bench/results/moe-1xh200-tiles.json):
+# at 1 and 32 tokens the best eight bf16 shapes lie within 3% of each other, so one narrow shape serves decode.
+# fp8 reads half the bytes per tile with the same shapes; wider K tiles for it are not measured yet.
 def _tiles(tokens: int, fp8: bool = False) -> dict:
     if tokens <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -151,20 +152,17 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     m_blocks = triton.cdiv(t, bm)  # an expert holds at most one row per token (top-k ids are distinct)
     r, r_pad = t * k, triton.next_power_of_2(t * k)
     act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up of every routed row
+    y = torch.empty(r, h, device=x.device, dtype=torch.float32)  # every routed row's output, weighted
     su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
     sd = down_scale if down_scale is not None else act
     su_n = su.stride(1) if su.dim() == 3 else 0
     sd_n = sd.stride(1) if sd.dim() == 3 else 0
+    common = dict(SCALE=scale, DOT=dot, R_PAD=r_pad, M_BLOCKS=m_blocks, **cfg)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
-        _launch(x, flat_ids, weights, gate_up, down, su, sd, su_n, sd_n, act, y := torch.empty(r, h, device=x.device, dtype=torch.float32),
-                r, r_pad, h, i, k, n_exp, m_blocks, bn, scale, dot, cfg)
+        _gate_up_kernel[(n_exp * m_blocks, i // bn)](
+            x, gate_up, su, flat_ids, act, r, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+            su.stride(0), su_n, act.stride(0), **common)
+        _down_kernel[(n_exp * m_blocks, h // bn)](
+            act, down, sd, flat_ids, weights.reshape(-1).contiguous(), y, r, i, act.stride(0), down.stride(0),
+            down.stride(1), sd.stride(0), sd_n, y.stride(0), **common)
     return y.view(t, k, h).sum(1).to(x.dtype)
-
-
-def _launch(x, flat_ids, weights, gate_up, down, su, sd, su_n, sd_n, act, y, r, r_pad, h, i, k, n_exp, m_blocks, bn, scale, dot, cfg):
-    _gate_up_kernel[(n_exp * m_blocks, i // bn)](
-        x, gate_up, su, flat_ids, act, r, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        su.stride(0), su_n, act.stride(0), SCALE=scale, DOT=dot, R_PAD=r_pad, M_BLOCKS=m_blocks, **cfg)
-    _down_kernel[(n_exp * m_blocks, h // bn)](
-        act, down, sd, flat_ids, weights.reshape(-1).contiguous(), y, r, i, act.stride(0), down.stride(0),
-        down.stride(1), sd.stride(0), sd_n, y.stride(0), SCALE=scale, DOT=dot, R_PAD=r_pad, M_BLOCKS=m_blocks, **cfg)
