@@ -1,4 +1,5 @@
-"""The native thinker at full size on one GPU (seeded random weights, bf16, flashinfer, captured decode)
+"""The native thinker at full size on one GPU (seeded random weights, bf16, flashinfer, captured decode, Triton
+routing and experts for decode-sized steps)
 against transformers' own thinker language model holding the very same weight tensors."""
 
 import pytest
@@ -16,7 +17,7 @@ def pair(tmp_path_factory):
     from services.thinker.engine import NativeThinker
 
     model_dir = build_full_skeleton(tmp_path_factory.mktemp("full") / "model")
-    engine = NativeThinker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=1024, moe="grouped",
+    engine = NativeThinker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=1024, moe="triton",
                            attention="flashinfer", cuda_graph_max_batch=GRAPH_MAX, compile=True)
     text = load_config(model_dir).thinker_config.text_config
     with torch.device("meta"):

@@ -1,6 +1,7 @@
 """The experts' Triton kernels (services/llm/triton_moe.py) run here in Triton's CPU interpreter, in a child
 process (the interpreter is chosen when the kernels are defined): bf16 and fp8 experts (per-channel and
-128 x 128 tile scales) against the loop over experts on the same, dequantised, weights."""
+128 x 128 tile scales) against the loop over experts on the same, dequantised, weights; the routing kernel
+against layers.route."""
 
 import json
 import os
@@ -15,7 +16,7 @@ pytest.importorskip("triton")
 CHILD = r"""
 import json, sys
 import torch
-from services.llm import fp8, moe, triton_moe
+from services.llm import fp8, layers, moe, triton_moe
 
 torch.manual_seed(0)
 E, H, I, K = 8, 256, 128, 3  # the kernels' tiles: 64 channels by 128 of the reduction
@@ -33,6 +34,21 @@ for t in (1, 5, 17, 40):  # one token; under one tile of rows; over it; a second
         (gq, gs), (dq, ds) = fp8.quantize(gate_up, block), fp8.quantize(down, block)
         ref = moe.loop(x.float(), ids, w.float(), fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
         out[f"fp8-{block or 'channel'}/{t}"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds, block), ref)
+for t, k, norm in ((1, 8, True), (7, 6, False), (40, 8, True)):  # the thinker's top-8 and the talker's top-6
+    x = torch.randn(t, H).to(torch.bfloat16)
+    gate = (torch.randn(128, H) * 0.05).to(torch.bfloat16)
+    ids, w = triton_moe.route(x, gate, k, norm)
+    ref_ids, ref_w = layers.route(x, gate, k, norm)
+    probs = torch.nn.functional.linear(x.float(), gate.float()).softmax(-1)
+    kth = probs.topk(k).values[:, -1:]
+    # Logits rounded to bf16 tie often and round differently with the order of summation: any top-k is right
+    # whose experts all reach the k-th float32 probability less what one bf16 rounding of a logit (<= 3) moves it.
+    out[f"route-{k}/{t}"] = {
+        "distinct": all(len(set(r)) == k for r in ids.tolist()),
+        "a_top_k": bool((probs.gather(1, ids) >= kth * (1 - 2 * 3 * 2 ** -8)).all()),
+        "weights": (w.float().sort(-1).values - ref_w.float().sort(-1).values).abs().max().item(),
+        "dtypes": [str(ids.dtype), str(w.dtype)],
+    }
 json.dump(out, sys.stdout)
 """
 
@@ -42,10 +58,14 @@ def test_triton_experts_equal_the_loop_over_experts():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rel = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(rel) == 12
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
+    assert len(out) == 12 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
-    assert all(v < 1e-2 for v in rel.values()), rel
+    assert all(v < 1e-2 for v in out.values()), out
+    for name, r in routes.items():
+        assert r["distinct"] and r["a_top_k"] and r["dtypes"] == ["torch.int64", "torch.bfloat16"], (name, r)
+        assert r["weights"] <= 2 ** -7, (name, r)  # bf16 roundings of (near) equal weights
 
 
 def test_a_wrong_tile_size_is_refused():

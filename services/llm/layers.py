@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.llm import triton_moe
 from services.llm.context import get_context
 from services.llm.moe import moe_experts
 
@@ -175,7 +176,10 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = OPS["route"](x, self.gate.weight, self.top_k, self.norm_topk)
+        if get_context().moe_backend == "triton" and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
+            ids, weights = triton_moe.route(x, self.gate.weight, self.top_k, self.norm_topk)  # one kernel, not five
+        else:
+            ids, weights = OPS["route"](x, self.gate.weight, self.top_k, self.norm_topk)
         out = self.experts(x, ids, weights)  # a module: quantisation swaps it (services/llm/fp8.py)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

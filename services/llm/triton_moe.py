@@ -31,6 +31,7 @@ SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 # Steps of up to this many tokens run these kernels with `moe: triton`; longer ones (prefill) the grouped GEMM,
 # which wins once every expert has many rows (bench/moe.py).
 MAX_TOKENS = 64
+ROUTE_BLOCK, COMBINE_BLOCK = 128, 128  # hidden columns per step of the routing loop, per combining program
 
 
 def available() -> bool:
@@ -120,6 +121,48 @@ if triton is not None:
                      mask=m_mask[:, None])
 
 
+    @triton.jit
+    def _route_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, stride_x, H: tl.constexpr, E: tl.constexpr,
+                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One token's router logits (rounded to the activations' dtype, as F.linear gives them), softmax in
+        float32, the top-k experts by repeated arg-max (lowest id first on ties) and their weights,
+        renormalised when NORM: the five kernels of `layers.route` in one."""
+        t = tl.program_id(0)
+        offs_e = tl.arange(0, E)
+        acc = tl.zeros((E,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            xv = tl.load(x_ptr + t * stride_x + offs_h).to(tl.float32)
+            wv = tl.load(w_ptr + offs_e[:, None] * H + offs_h[None, :]).to(tl.float32)
+            acc += tl.sum(wv * xv[None, :], axis=1)
+        logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        p = tl.exp(logits - tl.max(logits, 0))
+        p = p / tl.sum(p, 0)
+        offs_k = tl.arange(0, K_PAD)  # top-k slots, padded to a power of two
+        top_w = tl.zeros((K_PAD,), dtype=tl.float32)
+        top_i = tl.zeros((K_PAD,), dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(p, 0)
+            idx = tl.min(tl.where(p == best, offs_e, E), 0)
+            top_w = tl.where(offs_k == j, best, top_w)
+            top_i = tl.where(offs_k == j, idx, top_i)
+            p = tl.where(offs_e == idx, -1.0, p)
+        if NORM:
+            top_w = top_w / tl.sum(top_w, 0)
+        tl.store(ids_ptr + t * TOP_K + offs_k, top_i.to(ids_ptr.dtype.element_ty), mask=offs_k < TOP_K)
+        tl.store(weights_ptr + t * TOP_K + offs_k, top_w.to(weights_ptr.dtype.element_ty), mask=offs_k < TOP_K)
+
+    @triton.jit
+    def _combine_kernel(y_ptr, out_ptr, H: tl.constexpr, K_ROUTED: tl.constexpr, BLOCK_H: tl.constexpr):
+        """A token's k weighted rows summed in float32 and stored in the output's dtype (one kernel, not two)."""
+        t = tl.program_id(0)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for j in tl.static_range(K_ROUTED):
+            acc += tl.load(y_ptr + (t * K_ROUTED + j) * H + offs_h)
+        tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty))
+
+
 # Tile shapes by token count. Measured on an H200 (bench/moe.py --tiles, bench/results/moe-1xh200-tiles.json):
 # at 1 and 32 tokens the best eight bf16 shapes lie within 3% of each other, so one narrow shape serves decode.
 # fp8 reads half the bytes per tile with the same shapes; wider K tiles for it are not measured yet.
@@ -144,7 +187,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
         raise ValueError(f"tile scales of {block} x {block}: the kernels read 128 x 128 tiles")
     cfg = _tiles(t, scale != SCALE_NONE)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if h % bk or i % bk or i % bn or h % bn:
+    if h % bk or i % bk or i % bn or h % bn or h % COMBINE_BLOCK:
         raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
     x, flat_ids = x.contiguous(), ids.reshape(-1).contiguous()
     # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter (the tests), whose bf16 dot is wrong
@@ -165,4 +208,24 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
         _down_kernel[(n_exp * m_blocks, h // bn)](
             act, down, sd, flat_ids, weights.reshape(-1).contiguous(), y, r, i, act.stride(0), down.stride(0),
             down.stride(1), sd.stride(0), sd_n, y.stride(0), **common)
-    return y.view(t, k, h).sum(1).to(x.dtype)
+        out = torch.empty(t, h, device=x.device, dtype=x.dtype)
+        _combine_kernel[(t, h // COMBINE_BLOCK)](y, out, h, k, BLOCK_H=COMBINE_BLOCK)
+    return out
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers.route` in one kernel (one program per token): x [T, H], gate_w [E, H] -> ids [T, k] (int64),
+    weights [T, k] in x's dtype. E must be a power of two and H a multiple of 128."""
+    if triton is None:
+        raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
+    t, h = x.shape
+    e = gate_w.shape[0]
+    if e & (e - 1) or h % ROUTE_BLOCK:
+        raise ValueError(f"{e} experts and hidden {h}: the routing kernel needs a power of two and a multiple of {ROUTE_BLOCK}")
+    x, gate_w = x.contiguous(), gate_w.contiguous()
+    ids = torch.empty(t, top_k, device=x.device, dtype=torch.long)
+    weights = torch.empty(t, top_k, device=x.device, dtype=x.dtype)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _route_kernel[(t,)](x, gate_w, ids, weights, x.stride(0), h, e, top_k, triton.next_power_of_2(top_k), norm_topk,
+                            BLOCK_H=ROUTE_BLOCK, num_warps=8)
+    return ids, weights
