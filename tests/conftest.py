@@ -96,9 +96,10 @@ def mesh(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def native_mesh(tiny_model, tmp_path_factory):
     """The mesh with the native thinker and talker engines (small blocks and budget: requests share steps and
-    chunk) and batched encoders."""
+    chunk), the thinker's decode steps overlapped with its host work, and batched encoders."""
     small = {"engine": "native", "block_size": 8, "max_batched_tokens": 64, "kv_blocks": 256}
-    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker=small, talker=small, encoder={"batch": True})
+    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker={**small, "overlap": True}, talker=small,
+                      encoder={"batch": True})
     yield m
     codes = m.stop()
     assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"

@@ -112,6 +112,37 @@ def test_captured_greedy_decode_agrees_with_transformers_over_256_steps(pair):
         assert (gaps[~agree] <= 2 * noise[~agree]).all()
 
 
+def test_overlapped_graph_decode_gives_the_same_tokens(pair):
+    """Decode steps launched before the previous step's tokens are read (their inputs gathered on the device
+    from that step's samples) replay the same graphs on the same inputs: greedy and seeded tokens equal the
+    plain loop's, token for token."""
+    from dataclasses import replace
+
+    engine, hf = pair
+    vocab = hf.lm_head.weight.shape[0]
+
+    def run(overlap: bool) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(5)
+        seqs = [seq(f"o{i}", torch.randint(0, vocab, (n,), generator=gen), 48) for i, n in enumerate((40, 90, 130, 200, 60))]
+        for i, s in enumerate(seqs[2:]):
+            s.params = replace(s.params, temperature=0.7, top_p=0.8, top_k=20, seed=i + 1)
+        engine.overlap = overlap
+        try:
+            for s in seqs:
+                engine.add(s)
+            while not all(s.done for s in seqs):
+                engine.step(seqs)
+            for s in seqs:
+                engine.free(s)
+        finally:
+            engine.overlap = False
+        return [s.generated for s in seqs]
+
+    overlapped_before = engine.overlapped
+    plain, overlapped = run(False), run(True)
+    assert engine.overlapped - overlapped_before >= 40 and engine.pending is None
+    assert overlapped == plain
+
 def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
     """One full-size MoE layer fed the activations a real prefill gives it: fp8 (per-channel weights, per-token
     activations, torch._scaled_grouped_mm) against the bf16 grouped GEMM, and against the fp8 reference loop."""

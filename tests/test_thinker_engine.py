@@ -20,6 +20,8 @@ ENGINES = {
     "chunked prefill": {"max_batched_tokens": 7},
     "preemption": {"kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
     "grouped experts": {"moe": "grouped"},
+    "overlapped decode": {"overlap": True},
+    "overlap and preemption": {"overlap": True, "kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
 }
 N = 12
 
@@ -56,8 +58,10 @@ def test_greedy_tokens_equal_transformers(tiny_model, reference, expected, setup
     run_staggered(engine, seqs)
     for name, seq in zip(CASES, seqs):
         assert seq.generated == expected[name], name
-    if setup == "preemption":
+    if "preemption" in setup:
         assert engine.scheduler.preemptions > 0
+    if "overlap" in setup:
+        assert engine.overlapped >= N // 2 and engine.pending is None
     assert engine.scheduler.allocator.used == 0 and not engine.states
 
 
@@ -136,3 +140,44 @@ def test_compiled_layers_give_the_same_tokens(tiny_model, reference, expected):
         assert [s.generated for s in seqs] == [expected["text"], expected["image"]]
     finally:
         fuse(False)  # the layers' functions are per process: give the other tests the eager ones back
+
+
+def test_overlapped_decode_gives_the_tokens_of_the_plain_one(tiny_model, reference):
+    """Greedy and seeded sampling, a stop token met mid-way, a request cancelled mid-way and one with a
+    repetition penalty (never overlapped) sharing steps: each request gets the same tokens with overlap as
+    without, the cancelled one up to its cancel, and nothing is held afterwards."""
+    from dataclasses import replace
+
+    def run(overlap: bool, stop: tuple = ()) -> tuple[list[list[int]], NativeThinker]:
+        engine = NativeThinker(tiny_model, overlap=overlap)
+        seqs = [replace(thinker_seq(reference, case, 14), request_id=f"r{i}{name}") for i in range(2) for name, case in CASES.items()]
+        for i, s in enumerate(seqs):
+            s.params = replace(s.params, temperature=0.0 if i % 3 == 0 else 0.8, top_k=0 if i % 3 == 0 else 20, seed=i + 1,
+                               repetition_penalty=1.3 if i == 7 else 1.0, max_tokens=5 if i == 7 else 14,
+                               stop_token_ids=stop or s.params.stop_token_ids)
+        active, got = [], {id(s): [] for s in seqs}
+        for step in range(200):
+            if seqs[len(active):] and step % 2 == 0:  # arrivals every other step
+                active.append(seqs[len(active)])
+                engine.add(active[-1])
+            if step == 12 and not active[1].done:  # cancelled as the server would: freed, never stepped again
+                engine.free(active[1])
+                active[1].done = True
+            for seq, out in engine.step([s for s in active if not s.done]):
+                got[id(seq)].extend(out.token_ids)
+            for s in active:
+                if s.done and id(s) in engine.states:
+                    engine.free(s)
+            if len(active) == len(seqs) and all(s.done for s in active):
+                break
+        return [got[id(s)] for s in seqs], engine
+
+    plain, _ = run(False)
+    stop = (plain[2][5],)  # a token request 2 draws mid-way: it (and any other drawing it) stops there
+    plain, _ = run(False, stop)
+    overlapped, engine = run(True, stop)
+    cut = len(overlapped[1])  # cancelled: tokens reach a request one step later with overlap, so it got one fewer
+    assert overlapped[1] == plain[1][:cut] and cut >= len(plain[1]) - 1
+    assert overlapped[:1] + overlapped[2:] == plain[:1] + plain[2:]
+    assert len(plain[2]) == 6 and 0 < len(plain[1]) < 14 and any(len(t) == 14 for t in plain)
+    assert engine.overlapped > 5 and engine.scheduler.allocator.used == 0 and not engine.states

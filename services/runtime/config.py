@@ -149,7 +149,15 @@ class LMStageConfig:
 
 @dataclass
 class ThinkerConfig(LMStageConfig):
-    pass
+    # Decode steps overlapped with the host: a step is launched before the previous one's tokens are read, so
+    # the host's work for a step (scheduling, planning, launching) runs while the device computes the one
+    # before. A token then reaches its request one step later, and a sequence that stops on EOS computes one
+    # step more, discarded. Steps with speech states, repetition penalties or minimum lengths never overlap.
+    overlap: bool = False
+
+    @property
+    def native_args(self) -> dict:
+        return {**super().native_args, "overlap": self.overlap}
 
 
 @dataclass

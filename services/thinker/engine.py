@@ -9,7 +9,7 @@ import torch
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
 from services.llm.fp8 import FP8_BLOCK, quantize_experts_
-from services.llm.host import upload_into
+from services.llm.host import upload, upload_into
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
@@ -22,6 +22,21 @@ from services.thinker.model import ThinkerModel
 from services.thinker.reference import ThinkerSeq, ThinkerStep, stop_reason, validate
 
 
+PLACEHOLDER = -1  # a sequence's token drawn by a launched step, not read yet (overlap)
+
+
+@dataclass
+class _Pending:
+    """A launched decode step: its rows, its tokens on the device and on their way to the host."""
+    work: list
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: object
+    placeholders: list[bool]
+    row_of: dict[int, int]  # id(SeqState) -> row
+    planned: object = None  # recorded once its plan's copies were queued
+
+
 @dataclass(eq=False)
 class ThinkerState(SeqState):
     states_sent: int = 0  # positions whose states went out (a recomputed sequence does not send them twice)
@@ -31,8 +46,10 @@ class NativeThinker:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
                  max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", attention: str = "auto",
-                 cuda_graph_max_batch: int = 0, compile: bool = False):
+                 cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False):
         self.device, self.dtype = torch.device(device), dtype
+        self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
+        self.overlapped = 0  # steps launched before the previous one's tokens were read
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -132,21 +149,27 @@ class NativeThinker:
 
     @torch.no_grad()
     def step(self, seqs: list[ThinkerSeq]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
-        """One forward over what the scheduler picks from every request added (not only `seqs`)."""
+        """One forward over what the scheduler picks from every request added (not only `seqs`). With
+        `overlap`, a decode step is launched first and the previous step's tokens are read after: what this
+        returns is the previous step's (and nothing, the first time)."""
         t0 = time.perf_counter()
         self.last_wait_s = 0.0
         work = self.scheduler.schedule()
-        if not work:
+        if not work and self.pending is None:
             return []
-        if self._graphable(work):
-            out = self._graph_step(work)
+        out = []
+        if work and self.overlap and self._overlappable(work):
+            launched = self._launch(work)
+            if self.pending is not None:
+                out = self._finish(self.pending)
+            self.pending = launched
         else:
-            embeds, positions, ds_rows, ds_values = self._inputs(work)
-            capture = self.accept_layer if any(w.seq.owner.return_states for w in work) else None
-            with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
-                hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
-            self.scheduler.advance(work)
-            out = self._outputs(work, embeds, captured, lambda rows: self.model.lm_head(hidden[rows]))
+            if self.pending is not None:  # its tokens are this step's inputs: read them first
+                out = self._finish(self.pending)
+                self.pending = None
+                work = [w for w in work if not w.seq.owner.done]  # ended on the token just read: nothing to compute
+            if work:
+                out += self._step(work)
         elapsed = time.perf_counter() - t0
         self.last_host_s = elapsed - self.last_wait_s  # the step's own work on the CPU, the device's wait excluded
         for w in work:
@@ -154,6 +177,105 @@ class NativeThinker:
                 w.seq.owner.prefill_seconds += elapsed
             else:
                 w.seq.owner.decode_seconds += elapsed
+        return out
+
+    def _step(self, work: list[Work]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+        if self._graphable(work):
+            return self._graph_step(work)
+        embeds, positions, ds_rows, ds_values = self._inputs(work)
+        capture = self.accept_layer if any(w.seq.owner.return_states for w in work) else None
+        with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
+            hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
+        self.scheduler.advance(work)
+        return self._outputs(work, embeds, captured, lambda rows: self.model.lm_head(hidden[rows]))
+
+    # -- overlapped decode -------------------------------------------------------------------------
+
+    def _overlappable(self, work: list[Work]) -> bool:
+        """Every row decodes its sequence's last token (real, or the pending step's), and its sampling needs
+        nothing the pending token would change: no states to send, no repetition penalty, no minimum length."""
+        for w in work:
+            seq: ThinkerSeq = w.seq.owner
+            p = seq.params
+            if (w.n != 1 or w.start < len(seq.prompt_ids) or w.start + 1 != len(w.seq.tokens) or seq.return_states
+                    or p.repetition_penalty != 1.0 or (p.min_tokens and p.stop_token_ids)):
+                return False
+        return True
+
+    def _launch(self, work: list[Work]) -> "_Pending":
+        """Queues a decode step whose input tokens may still be on the device (the pending step's), and its
+        sampling; takes no token back to the host. Each row's sequence gets a placeholder token for what it
+        draws, unless that token ends it by length (it is then not scheduled again)."""
+        n = len(work)
+        prev = self.pending
+        src = [prev.row_of.get(id(w.seq), -1) if prev is not None else -1 for w in work]
+        host_ids = [w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)]
+        ids = upload(host_ids, self.device, torch.long)
+        if any(r >= 0 for r in src):
+            at = upload(src, self.device, torch.long)
+            ids = torch.where(at >= 0, prev.tokens[at.clamp_min(0)], ids)
+        if prev is not None and prev.planned is not None:
+            # flashinfer plans through a pinned host buffer of its own: the pending step's copy out of it must have
+            # run before this plan rewrites it (queued ahead of that step's kernels, it is done by now or nearly).
+            prev.planned.synchronize()
+        planned = torch.cuda.Event() if ids.is_cuda else None
+        if self._graphable(work):
+            b = self.graphs.size_for(n)
+            self.decode_inputs[0, :n] = ids
+            upload_into(self.decode_inputs[1, :n], [w.start + w.seq.owner.rope_delta for w in work])
+            self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
+            if planned is not None:
+                planned.record()
+            logits = self.graphs.replay(b)[2][:n]
+        else:
+            positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
+            attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
+            if planned is not None:
+                planned.record()
+            with step_context(attention, self.moe):
+                hidden, _ = self.model(self.model.model.embed_tokens(ids), positions)
+            logits = self.model.lm_head(hidden)
+        self.scheduler.advance(work)
+        owners = [w.seq.owner for w in work]
+        counters = [len(s.generated) + (id(w.seq) in (prev.row_of if prev else {})) for w, s in zip(work, owners)]
+        tokens = sample_batch(logits, [s.params for s in owners], counters=counters)
+        host, event = tokens, None
+        if tokens.is_cuda:  # to the host without waiting: read when the next step has been launched
+            host = torch.empty(n, dtype=torch.long, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        placeholders = []
+        for w, s, c in zip(work, owners, counters):
+            last = c + 1 >= s.params.max_tokens  # this token ends it by length: no further step for it
+            placeholders.append(not last)
+            if not last:
+                w.seq.tokens.append(PLACEHOLDER)
+        self.overlapped += prev is not None
+        return _Pending(work, tokens, host, event, placeholders, {id(w.seq): i for i, w in enumerate(work)}, planned)
+
+    def _finish(self, p: "_Pending") -> list[tuple[ThinkerSeq, ThinkerStep]]:
+        """The pending step's tokens, read now (its device work is done or nearly): each placeholder filled,
+        each request's output as `_outputs` makes it. Rows of requests freed or ended meanwhile are dropped."""
+        t_wait = time.perf_counter()
+        if p.event is not None:
+            p.event.synchronize()
+        tokens = p.host.tolist()
+        self.last_wait_s += time.perf_counter() - t_wait
+        out = []
+        for w, token, placeholder in zip(p.work, tokens, p.placeholders):
+            seq: ThinkerSeq = w.seq.owner
+            if self.states.get(id(seq)) is not w.seq or seq.done:
+                continue
+            if placeholder:
+                w.seq.tokens[w.start + 1] = token
+            else:
+                w.seq.tokens.append(token)
+            seq.generated.append(token)
+            step = ThinkerStep(token_ids=[token])
+            seq.stop_reason = step.stop_reason = stop_reason(seq)
+            seq.done = bool(seq.stop_reason)
+            out.append((seq, step))
         return out
 
     # -- one step ----------------------------------------------------------------------------------
