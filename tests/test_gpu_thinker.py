@@ -43,6 +43,18 @@ def seq(name: str, ids: torch.Tensor, max_tokens: int):
     return ThinkerSeq(name, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
+def mlp_inputs(engine, hf, layer, n: int, seed: int) -> torch.Tensor:
+    """What `layer` (an MoE block) takes in while the engine prefills n random tokens: real activation statistics."""
+    seen = {}
+    hook = layer.register_forward_hook(lambda m, a, out: seen.update(x=a[0].detach().clone()))
+    s = seq("acts", torch.randint(0, hf.lm_head.weight.shape[0], (n,), generator=torch.Generator().manual_seed(seed)), 1)
+    engine.add(s)
+    engine.step([s])
+    engine.free(s)
+    hook.remove()
+    return seen["x"]
+
+
 def prefill_logits(engine, ids: torch.Tensor) -> torch.Tensor:
     s = seq("prefill", ids, 1)
     captured = {}
@@ -151,15 +163,7 @@ def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
 
     engine, hf = pair
     layer = engine.model.model.layers[10].mlp
-    seen = {}
-    hook = layer.register_forward_hook(lambda m, a, out: seen.update(x=a[0].detach().clone()))
-    ids = torch.randint(0, hf.lm_head.weight.shape[0], (600,), generator=torch.Generator().manual_seed(3))
-    s = seq("acts", ids, 1)
-    engine.add(s)
-    engine.step([s])
-    engine.free(s)
-    hook.remove()
-    x = seen["x"]
+    x = mlp_inputs(engine, hf, layer, 600, seed=3)
     probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)
     w, top = torch.topk(probs, 8, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
@@ -191,19 +195,12 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
 
     engine, hf = pair
     layer = engine.model.model.layers[20].mlp
-    seen = {}
-    hook = layer.register_forward_hook(lambda m, a, out: seen.update(x=a[0].detach().clone()))
-    ids = torch.randint(0, hf.lm_head.weight.shape[0], (300,), generator=torch.Generator().manual_seed(4))
-    s = seq("acts", ids, 1)
-    engine.add(s)
-    engine.step([s])
-    engine.free(s)
-    hook.remove()
+    inputs = mlp_inputs(engine, hf, layer, 300, seed=4)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     ways = {"bf16": (layer.experts, 0.01), "fp8-channel": (Fp8Experts(layer.experts, None), 0.08),
             "fp8-block": (Fp8Experts(layer.experts, 128), 0.08)}
     for n in (1, 8, 64):
-        x = seen["x"][:n].clone()
+        x = inputs[:n].clone()
         probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)
         w, top = torch.topk(probs, 8, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
