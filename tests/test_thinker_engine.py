@@ -65,7 +65,7 @@ def test_greedy_tokens_equal_transformers(tiny_model, reference, expected, setup
     assert engine.scheduler.allocator.used == 0 and not engine.states
 
 
-@pytest.mark.parametrize("setup", ["one step per prompt", "preemption"])
+@pytest.mark.parametrize("setup", ["one step per prompt", "preemption", "overlap and preemption"])
 def test_states_for_the_talker_equal_transformers_hidden_states(tiny_model, reference, setup):
     """Input embeddings and the accept layer's output, each position once and in order."""
     engine = NativeThinker(tiny_model, **ENGINES[setup])
@@ -85,6 +85,8 @@ def test_states_for_the_talker_equal_transformers_hidden_states(tiny_model, refe
         assert embeds.shape == ref_embeds.shape, name
         torch.testing.assert_close(embeds, ref_embeds, rtol=0, atol=1e-6)
         torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-5)
+    if "overlap" in setup:
+        assert engine.overlapped >= N // 2
 
 
 def test_prefill_logits_match_transformers(tiny_model, reference):

@@ -152,7 +152,7 @@ class ThinkerConfig(LMStageConfig):
     # Decode steps overlapped with the host: a step is launched before the previous one's tokens are read, so
     # the host's work for a step (scheduling, planning, launching) runs while the device computes the one
     # before. A token then reaches its request one step later, and a sequence that stops on EOS computes one
-    # step more, discarded. Steps with speech states, repetition penalties or minimum lengths never overlap.
+    # step more, discarded. Steps with repetition penalties or minimum lengths never overlap.
     overlap: bool = False
 
     @property

@@ -35,6 +35,8 @@ class _Pending:
     placeholders: list[bool]
     row_of: dict[int, int]  # id(SeqState) -> row
     planned: object = None  # recorded once its plan's copies were queued
+    send: list[bool] = None  # rows whose states go out with their token
+    states: tuple = None  # (input embeddings, accept-layer states) of the step's rows, when any row sends them
 
 
 @dataclass(eq=False)
@@ -193,11 +195,11 @@ class NativeThinker:
 
     def _overlappable(self, work: list[Work]) -> bool:
         """Every row decodes its sequence's last token (real, or the pending step's), and its sampling needs
-        nothing the pending token would change: no states to send, no repetition penalty, no minimum length."""
+        nothing the pending token would change: no repetition penalty, no minimum length."""
         for w in work:
             seq: ThinkerSeq = w.seq.owner
             p = seq.params
-            if (w.n != 1 or w.start < len(seq.prompt_ids) or w.start + 1 != len(w.seq.tokens) or seq.return_states
+            if (w.n != 1 or w.start < len(seq.prompt_ids) or w.start + 1 != len(w.seq.tokens)
                     or p.repetition_penalty != 1.0 or (p.min_tokens and p.stop_token_ids)):
                 return False
         return True
@@ -219,6 +221,9 @@ class NativeThinker:
             # run before this plan rewrites it (queued ahead of that step's kernels, it is done by now or nearly).
             prev.planned.synchronize()
         planned = torch.cuda.Event() if ids.is_cuda else None
+        # Speech requests get the row's states (input embedding, accept layer) with its token, once per position.
+        send = [w.seq.owner.return_states and w.start + 1 > w.seq.states_sent for w in work]
+        states = None
         if self._graphable(work):
             b = self.graphs.size_for(n)
             self.decode_inputs[0, :n] = ids
@@ -226,15 +231,21 @@ class NativeThinker:
             self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
             if planned is not None:
                 planned.record()
-            logits = self.graphs.replay(b)[2][:n]
+            embeds, captured, logits = self.graphs.replay(b)
+            logits = logits[:n]
+            if any(send):  # the next replay overwrites them
+                states = embeds[:n].clone(), captured[:n].clone()
         else:
             positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
             attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
             if planned is not None:
                 planned.record()
+            embeds = self.model.model.embed_tokens(ids)
             with step_context(attention, self.moe):
-                hidden, _ = self.model(self.model.model.embed_tokens(ids), positions)
+                hidden, captured = self.model(embeds, positions, capture_layer=self.accept_layer if any(send) else None)
             logits = self.model.lm_head(hidden)
+            if any(send):
+                states = embeds, captured
         self.scheduler.advance(work)
         owners = [w.seq.owner for w in work]
         counters = [len(s.generated) + (id(w.seq) in (prev.row_of if prev else {})) for w, s in zip(work, owners)]
@@ -245,6 +256,9 @@ class NativeThinker:
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
+        for w, sent in zip(work, send):
+            if sent:
+                w.seq.states_sent = w.start + 1
         placeholders = []
         for w, s, c in zip(work, owners, counters):
             last = c + 1 >= s.params.max_tokens  # this token ends it by length: no further step for it
@@ -252,7 +266,8 @@ class NativeThinker:
             if not last:
                 w.seq.tokens.append(PLACEHOLDER)
         self.overlapped += prev is not None
-        return _Pending(work, tokens, host, event, placeholders, {id(w.seq): i for i, w in enumerate(work)}, planned)
+        return _Pending(work, tokens, host, event, placeholders, {id(w.seq): i for i, w in enumerate(work)}, planned,
+                        send, states)
 
     def _finish(self, p: "_Pending") -> list[tuple[ThinkerSeq, ThinkerStep]]:
         """The pending step's tokens, read now (its device work is done or nearly): each placeholder filled,
@@ -263,7 +278,7 @@ class NativeThinker:
         tokens = p.host.tolist()
         self.last_wait_s += time.perf_counter() - t_wait
         out = []
-        for w, token, placeholder in zip(p.work, tokens, p.placeholders):
+        for row, (w, token, placeholder) in enumerate(zip(p.work, tokens, p.placeholders)):
             seq: ThinkerSeq = w.seq.owner
             if self.states.get(id(seq)) is not w.seq or seq.done:
                 continue
@@ -273,6 +288,8 @@ class NativeThinker:
                 w.seq.tokens.append(token)
             seq.generated.append(token)
             step = ThinkerStep(token_ids=[token])
+            if p.send[row]:
+                step.state_start, step.embeds, step.hidden = w.start, p.states[0][row:row + 1], p.states[1][row:row + 1]
             seq.stop_reason = step.stop_reason = stop_reason(seq)
             seq.done = bool(seq.stop_reason)
             out.append((seq, step))
