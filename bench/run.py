@@ -24,7 +24,7 @@ from bench import results
 from bench.loadgen import LoopResult, MeshClient
 from bench.records import summarize
 from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select
-from services.runtime.config import REPO_ROOT, apply_overrides, load_config
+from services.runtime.config import REPO_ROOT, apply_overrides, load_config, write_overridden
 
 # Request indices of a cell depend only on its concurrency, so both engines get the same inputs and seeds,
 # and no two cells repeat a prompt (a prefix cache must not turn a later cell into cache hits).
@@ -192,13 +192,18 @@ class Sweep:
                 failed_at[w.name] = min(b, failed_at.get(w.name, b))
             self.add(cell)
 
-    async def mesh(self, address: str, stage_died) -> None:
+    async def mesh(self, address: str, stage_died, wait_ready: float = 0.0) -> None:
         client = MeshClient(address, self.args.channels, self.args.request_timeout)
         try:
-            try:
-                info = await client.model_info()
-            except grpc.aio.AioRpcError as e:
-                raise SystemExit(f"cannot reach the gateway at {address}: {e.code().name}: {e.details()}") from None
+            deadline = time.perf_counter() + wait_ready
+            while True:
+                try:
+                    info = await client.model_info()
+                    break
+                except grpc.aio.AioRpcError as e:
+                    if time.perf_counter() >= deadline:
+                        raise SystemExit(f"cannot reach the gateway at {address}: {e.code().name}: {e.details()}") from None
+                    await asyncio.sleep(1.0)
             self.result["model"]["served"] = {"model": info.model, "voices": list(info.voices),
                                               "max_new_tokens": info.limits.max_new_tokens}
             await self.run(MeshRunner(client, self.media, self.args.seed), stage_died)
@@ -261,6 +266,8 @@ def parse_args(argv=None):
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--log-dir", default=None, help="stage logs with --launch (default .cache/logs)")
     p.add_argument("--records", action="store_true", help="keep every request's raw record in the result")
+    p.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
+                   help="without --launch: wait this long for the gateway to answer (a mesh still starting)")
     p.add_argument("--resume", action="store_true", help="--out exists: add the cells it lacks (same config, code, lengths)")
     return p.parse_args(argv)
 
@@ -297,11 +304,8 @@ def main(argv=None) -> dict:
     elif args.launch:
         from services.launch import Mesh
 
-        launched = args.config
-        if args.set:  # the stages read their config from a file: the overridden one, beside the logs
-            launched = REPO_ROOT / ".cache" / f"bench-{Path(args.out).stem}.yaml"
-            launched.parent.mkdir(parents=True, exist_ok=True)
-            launched.write_text(yaml.safe_dump(content))
+        # The stages read their config from a file: the overridden one.
+        launched = write_overridden(args.config, args.set, REPO_ROOT / ".cache" / f"bench-{Path(args.out).stem}.yaml")
         mesh = Mesh(launched, args.log_dir)
         t0 = time.perf_counter()
         mesh.start(timeout=args.launch_timeout)
@@ -316,8 +320,8 @@ def main(argv=None) -> dict:
             asyncio.run(sweep.mesh(mesh.gateway_address, stage_died))
         finally:
             run["stage_exit_codes"] = mesh.stop()
-    else:
-        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda: ""))
+    else:  # a mesh started apart (services.launch with the same --config and --set), perhaps still starting
+        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda: "", args.wait_ready))
     run.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=time.perf_counter() - started)
     results.write(result, args.out)
     print(f"wrote {args.out} ({len(result['cells'])} cells, {run['wall_s']:.0f}s)", flush=True)

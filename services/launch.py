@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.runtime.config import REPO_ROOT, MeshConfig, load_config
+from services.runtime.config import REPO_ROOT, MeshConfig, load_config, write_overridden
 from services.runtime.probe import is_serving
 from services.runtime.transport import clean_stale_pools
 
@@ -111,12 +111,15 @@ def main() -> None:
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every stage to be healthy")
     parser.add_argument("--demo", action="store_true", help="send one demo request once healthy (speech to out/demo.wav)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value (YAML), e.g. --set thinker.engine=native; repeatable")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    mesh = Mesh(args.config, args.log_dir)
+    config = write_overridden(args.config, args.set, REPO_ROOT / ".cache" / f"launch-{Path(args.config).stem}-{os.getpid()}.yaml")
+    mesh = Mesh(config, args.log_dir)
     log.info("starting %d processes of %s (logs in %s)", len(mesh.processes()), mesh.config_path.name, mesh.log_dir)
     mesh.start(args.timeout)
     try:
@@ -136,6 +139,8 @@ def main() -> None:
         log.info("stopping")
         codes = mesh.stop()
         log.info("stopped: %s", ", ".join(f"{k}={v}" for k, v in codes.items()))
+        if config != Path(args.config):
+            config.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

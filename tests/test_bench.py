@@ -218,3 +218,22 @@ def test_a_sweep_runs_in_parts(bench_dir):
     with pytest.raises(SystemExit, match="max_tokens"):
         bench_run.main([*args[:-4], "--max-tokens", "4", "--prompt-bytes", "16", "--concurrency", "4", "--resume"])
     assert results.read(out) == both
+
+
+def test_a_mesh_started_apart(bench_dir, mesh):
+    """--address drives a mesh started on its own (services.launch, kept up between parts of a sweep);
+    --wait-ready waits for a gateway still starting, and gives up on one that never answers."""
+    import time
+
+    out = bench_dir / "apart.json"
+    common = ["--config", str(mesh.config_path), "--workloads", "t2t", "--concurrency", "1", "--min-requests", "1",
+              "--requests-per-slot", "1", "--max-tokens", "3", "--prompt-bytes", "16"]
+    bench_run.main([*common, "--address", mesh.gateway_address, "--wait-ready", "30", "--out", str(out)])
+    cells = results.read(out)["cells"]
+    assert [(c["workload"], c["status"], c["failures"]) for c in cells] == [("t2t", "ok", 0)]
+    from conftest import free_ports
+
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit, match="cannot reach the gateway"):
+        bench_run.main([*common, "--address", f"127.0.0.1:{free_ports(1)[0]}", "--wait-ready", "2", "--out", str(bench_dir / "none.json")])
+    assert 2 <= time.perf_counter() - t0 < 30

@@ -58,3 +58,23 @@ def test_stages_die_with_a_killed_launcher(tiny_model, tmp_path):
     while _stage_pids(config) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _stage_pids(config) == []
+
+
+def test_launch_with_overrides(tiny_model, tmp_path):
+    """--set reaches every stage: they read the overridden config (here, the native engines)."""
+    config = write_config(tmp_path / "set.yaml", tiny_model, encoders=1)
+    proc = subprocess.Popen([sys.executable, "-m", "services.launch", "--config", str(config), "--log-dir", str(tmp_path / "logs"),
+                             "--set", "thinker.engine=native", "--set", "talker.engine=native"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not any("mesh ready" in line for line in lines):
+        line = proc.stdout.readline()
+        assert line, "launcher exited:\n" + "".join(lines)
+        lines.append(line)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, "".join(lines) + rest
+    for stage in ("thinker", "talker"):
+        assert "engine: native" in (tmp_path / "logs" / f"{stage}-0.log").read_text(), stage
