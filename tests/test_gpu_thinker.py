@@ -188,8 +188,9 @@ def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
 
 
 def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
-    """The Triton experts (bf16, fp8 per channel, fp8 per 128 x 128 tile) on a layer's real activations, at
-    decode-sized token counts, against the bf16 grouped GEMM; replayed from a graph as run eagerly."""
+    """moe: triton's experts (bf16, fp8 per channel, fp8 per 128 x 128 tile) on a layer's real activations, at
+    decode-sized token counts (the Triton kernels) and a prefill-sized one, against the bf16 grouped GEMM;
+    replayed from a graph as run eagerly (up to index_add_'s atomic order where the grouped GEMM runs)."""
     from services.llm.context import step_context
     from services.llm.fp8 import Fp8Experts
 
@@ -199,7 +200,7 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     ways = {"bf16": (layer.experts, 0.01), "fp8-channel": (Fp8Experts(layer.experts, None), 0.08),
             "fp8-block": (Fp8Experts(layer.experts, 128), 0.08)}
-    for n in (1, 8, 64):
+    for n in (1, 8, 64, 300):  # 300: a prefill-sized step (grouped GEMM; 128 x 128 tiles dequantised for it)
         x = inputs[:n].clone()
         probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)
         w, top = torch.topk(probs, 8, dim=-1)
@@ -216,4 +217,7 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
                     graph.replay()
                 print(f"{n} tokens, triton {name} vs bf16 grouped: {rel(eager, ref):.4f}")
                 assert rel(eager, ref) < bound, (n, name)  # bf16 rounding; what e4m3 weights cost (bf16 activations)
-                assert torch.equal(captured, eager), (n, name)
+                if n <= 64:
+                    assert torch.equal(captured, eager), (n, name)
+                else:
+                    assert rel(captured, eager) < 0.005, (n, name)

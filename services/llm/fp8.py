@@ -12,7 +12,7 @@ from torch import nn
 from services.llm import triton_moe
 from services.llm.context import get_context
 from services.llm.layers import Experts
-from services.llm.moe import by_expert
+from services.llm.moe import by_expert, moe_experts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -34,11 +34,11 @@ def quantize(w: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, t
     return q, scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int | None = None) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if block is None:
-        return q.float() * scale[..., None]
+        return q.to(dtype) * scale[..., None].to(dtype)
     *lead, n, k = q.shape
-    tiles = q.float().reshape(*lead, n // block, block, k // block, block) * scale[..., :, None, :, None]
+    tiles = q.to(dtype).reshape(*lead, n // block, block, k // block, block) * scale[..., :, None, :, None].to(dtype)
     return tiles.reshape(q.shape)
 
 
@@ -66,11 +66,16 @@ class Fp8Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         backend = get_context().moe_backend
-        if x.is_cuda and backend == "triton" and (self.block or x.shape[0] <= triton_moe.MAX_TOKENS):
+        if x.is_cuda and backend == "triton" and x.shape[0] <= triton_moe.MAX_TOKENS:
             return triton_moe.experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
                                       self.down_proj_scale, self.block)
-        if x.is_cuda and self.block is None and backend in ("grouped", "triton"):
-            return self.grouped(x, ids, weights)
+        if x.is_cuda and backend in ("grouped", "triton"):
+            if self.block is None:
+                return self.grouped(x, ids, weights)
+            if backend == "triton":  # a long step (prefill): every expert's tiles dequantised once, the bf16 grouped GEMM
+                gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, self.block, x.dtype)
+                down = dequantize(self.down_proj, self.down_proj_scale, self.block, x.dtype)
+                return moe_experts(x, ids, weights, gate_up, down, "grouped")
         return self.reference(x, ids, weights)
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
