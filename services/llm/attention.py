@@ -1,7 +1,8 @@
 """Attention over the paged KV cache for a step that mixes prefill chunks and decode tokens.
 
-`TorchAttention` is the reference backend (any device): it writes the step's keys and values into their
-slots, then attends each sequence over its own pages with PyTorch's SDPA, as transformers does.
+`TorchAttention` is the reference backend (any device): the step's keys and values go into their slots
+(`kv_slots`: the layer's own projection writes them there, fused with it when compiled), then each sequence
+attends over its own pages with PyTorch's SDPA, as transformers does.
 """
 
 import importlib.util
@@ -38,12 +39,15 @@ class TorchAttention:
         self.slot_mapping = torch.cat(slots).to(self.cache.k.device)
         return self
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, H, D], k and v [N, Hkv, D] -> [N, H, D]."""
+    def kv_slots(self, layer: int):
+        """Where the step's keys and values go: the layer's cache as rows [slots, Hkv, D], and the rows."""
+        return kv_slots(self.cache, layer, self.slot_mapping)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
+        """q [N, H, D], k and v [N, Hkv, D] -> [N, H, D]; `written`: k and v are in the cache already (kv_slots)."""
+        if not written:
+            write_kv(self.kv_slots(layer), k, v)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
-        flat_k[self.slot_mapping] = k
-        flat_v[self.slot_mapping] = v
         out, row = torch.empty_like(q), 0
         groups = q.shape[1] // k.shape[1]
         for s in self.slices:
@@ -63,6 +67,18 @@ class TorchAttention:
         return out
 
 
+def kv_slots(cache: KVCache, layer: int, slots: torch.Tensor):
+    kc, vc = cache.k[layer], cache.v[layer]
+    return kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), slots
+
+
+def write_kv(target, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k and v [N, Hkv, D] into their slots (`target` from a backend's kv_slots)."""
+    flat_k, flat_v, slots = target
+    flat_k[slots] = k
+    flat_v[slots] = v
+
+
 class DenseAttention:
     """B sequences that are all at the same position, their keys and values in a dense cache
     [layers, B, T, kv_heads, D]: the code predictor's, whose every request runs the same 16 positions each
@@ -77,7 +93,10 @@ class DenseAttention:
         self.b, self.cached, self.n = b, cached, n
         return self
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_slots(self, layer: int) -> None:
+        return None  # a dense cache: forward() writes it
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
         """q [b*n, H, D], k and v [b*n, Hkv, D], rows sequence-major -> [b*n, H, D]."""
         b, c, n = self.b, self.cached, self.n
         kc, vc = self.k[layer], self.v[layer]

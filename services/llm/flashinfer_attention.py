@@ -4,12 +4,12 @@
 kernel over pages, planned once per step (causal, aligned to each sequence's end, so a chunk sees the
 sequence's cached prefix). `DecodeAttention` serves a captured decode graph of a fixed batch size: its
 buffers (page table, slots) keep their addresses, and `plan()` refills them before each replay.
-Both write the step's keys and values into their slots first, as `TorchAttention` does.
+Both take the step's keys and values in their slots (`kv_slots`), as `TorchAttention` does.
 """
 
 import torch
 
-from services.llm.attention import SeqSlice
+from services.llm.attention import SeqSlice, kv_slots, write_kv
 from services.llm.host import upload, upload_into
 from services.llm.kv_cache import KVCache
 
@@ -40,11 +40,13 @@ class _Writer:
     def __init__(self, cache: KVCache):
         self.cache = cache
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc.view(-1, *kc.shape[2:])[slots] = k
-        vc.view(-1, *vc.shape[2:])[slots] = v
-        return kc, vc
+    def kv_slots(self, layer: int):
+        return kv_slots(self.cache, layer, self.slot_mapping)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, written: bool):
+        if not written:
+            write_kv(self.kv_slots(layer), k, v)
+        return self.cache.k[layer], self.cache.v[layer]
 
 
 class FlashInferAttention(_Writer):
@@ -72,8 +74,8 @@ class FlashInferAttention(_Writer):
         self.slot_mapping = upload(_slots(slices, bs), self.cache.k.device, torch.long)
         return self
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.wrapper.run(q, self.write(layer, k, v, self.slot_mapping))
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
+        return self.wrapper.run(q, self.write(layer, k, v, written))
 
 
 class DecodeAttention(_Writer):
@@ -115,5 +117,5 @@ class DecodeAttention(_Writer):
         upload_into(self.slot_mapping, slots)
         return self
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.wrapper.run(q, self.write(layer, k, v, self.slot_mapping))
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
+        return self.wrapper.run(q, self.write(layer, k, v, written))

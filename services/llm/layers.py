@@ -65,11 +65,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
         self.register_buffer("qkv_weight", None, persistent=False)  # q, k, v in one, once loaded (fuse_projections_)
 
-    def qkv(self, x: torch.Tensor, norm: "RMSNorm", cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, x: torch.Tensor, norm: "RMSNorm", cos: torch.Tensor, sin: torch.Tensor, kv=None):
         if self.qkv_weight is None:
             raise RuntimeError("attention projections not fused: call fuse_projections_(model) once its weights are loaded")
         return OPS["pre_attention"](x, norm.weight, self.qkv_weight, self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                    norm.eps, self.heads, self.kv_heads, self.head_dim)
+                                    norm.eps, self.heads, self.kv_heads, self.head_dim, kv)
 
     def fuse_projections_(self) -> None:
         """q, k and v weights in one tensor, for one GEMM instead of three; the three parameters stay, as
@@ -89,14 +89,20 @@ def fuse_projections_(model: nn.Module) -> int:
     return len(layers)
 
 
-def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, kv=None):
     """Input norm, the fused q/k/v projection, QK-norm and rotary embedding:
-    [N, H] -> q [N, heads, D], k and v [N, kv_heads, D]."""
+    [N, H] -> q [N, heads, D], k and v [N, kv_heads, D]; with `kv` (an attention backend's kv_slots), k and v
+    also written into the cache, in the same kernel as their norm and rotation when compiled."""
     n = x.shape[0]  # N = tokens of the step, all sequences
     q, k, v = F.linear(rms_norm(x, norm_w, eps), qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = rotate(rms_norm(q.reshape(n, heads, head_dim), qn_w, eps), cos, sin)
     k = rotate(rms_norm(k.reshape(n, kv_heads, head_dim), kn_w, eps), cos, sin)
-    return q, k, v.reshape(n, kv_heads, head_dim)
+    v = v.reshape(n, kv_heads, head_dim)
+    if kv is not None:
+        flat_k, flat_v, slots = kv
+        flat_k[slots] = k
+        flat_v[slots] = v
+    return q, k, v
 
 
 def post_attention(x, attn, o_w, norm_w, eps: float):
@@ -202,9 +208,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        attn = self.self_attn
-        q, k, v = attn.qkv(x, self.input_layernorm, cos, sin)
-        out = get_context().attention.forward(attn.layer, q, k, v)  # [N, heads, D]
+        attn, backend = self.self_attn, get_context().attention
+        kv = backend.kv_slots(attn.layer)  # where the keys and values go, for the projection to write them
+        q, k, v = attn.qkv(x, self.input_layernorm, cos, sin, kv)
+        out = backend.forward(attn.layer, q, k, v, written=kv is not None)  # [N, heads, D]
         norm = self.post_attention_layernorm
         x, h = OPS["post_attention"](x, out.reshape(x.shape[0], -1), attn.o_proj.weight, norm.weight, norm.eps)
         return x + self.mlp(h)
