@@ -3,7 +3,7 @@ the ladder of captured batch sizes."""
 
 import torch
 
-from services.llm.attention import SeqSlice, TorchAttention
+from services.llm.attention import SeqSlice, TorchAttention, kv_slots
 from services.llm.flashinfer_attention import _page_table, _slots
 from services.llm.graphs import ladder
 from services.llm.kv_cache import KVCache
@@ -26,3 +26,31 @@ def test_ladder_covers_every_batch_up_to_its_maximum():
     sizes = ladder(200)
     assert sizes[-1] == 200 and sizes == sorted(set(sizes))
     assert all(b - a <= 32 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_compiled_projection_writes_keys_and_values_in_place_for_every_layer():
+    """pre_attention with a backend's kv_slots, compiled: each layer's keys and values land in that layer's
+    slots and nowhere else, and one compiled graph serves every layer past the first (the cache view's offset
+    is symbolic: 48 layers must not mean 48 compilations, past the recompile limit and back to eager)."""
+    from torch._dynamo.utils import counters
+
+    from services.llm.layers import pre_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(pre_attention, dynamic=True)
+    layers, heads, kv_heads, d, hidden = 12, 4, 2, 8, 32
+    cache = KVCache.allocate(layers, 20, 4, kv_heads, d, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn((heads + 2 * kv_heads) * d, hidden, generator=g)
+    slots = torch.tensor([3, 17, 40, 79])
+    for layer in range(layers):
+        x = torch.randn(4, hidden, generator=g)
+        kv = kv_slots(cache, layer, slots)
+        q, k, v = compiled(x, torch.ones(hidden), w, torch.ones(d), torch.ones(d), torch.ones(4, d), torch.zeros(4, d),
+                           1e-6, heads, kv_heads, d, kv)
+        assert torch.equal(kv[0][slots], k) and torch.equal(kv[1][slots], v)
+        written = torch.zeros(cache.k.shape[1] * cache.k.shape[2], dtype=torch.bool)
+        written[slots] = True
+        assert not kv[0][~written].any() and not kv[1][~written].any()
+    assert counters["stats"]["unique_graphs"] <= 2
