@@ -30,6 +30,8 @@ for t in (1, 5, 17, 40):  # one token; under one tile of rows; over it; a second
     rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
     ref = moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float())
     out[f"bf16/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down), ref)
+    residual = torch.randn(t, H).to(torch.bfloat16)  # the layer's residual stream, added in the combining kernel
+    out[f"bf16+residual/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down, residual=residual), ref + residual.float())
     for block in (None, 128):
         (gq, gs), (dq, ds) = fp8.quantize(gate_up, block), fp8.quantize(down, block)
         ref = moe.loop(x.float(), ids, w.float(), fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
@@ -60,7 +62,7 @@ def test_triton_experts_equal_the_loop_over_experts():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
-    assert len(out) == 12 and len(routes) == 3
+    assert len(out) == 16 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for v in out.values()), out
     for name, r in routes.items():

@@ -64,19 +64,20 @@ class Fp8Experts(nn.Module):
             self.register_buffer(name, q)
             self.register_buffer(f"{name}_scale", scale)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         backend = get_context().moe_backend
         if x.is_cuda and backend == "triton" and x.shape[0] <= triton_moe.MAX_TOKENS:
             return triton_moe.experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
-                                      self.down_proj_scale, self.block)
-        if x.is_cuda and backend in ("grouped", "triton"):
-            if self.block is None:
-                return self.grouped(x, ids, weights)
-            if backend == "triton":  # a long step (prefill): every expert's tiles dequantised once, the bf16 grouped GEMM
-                gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, self.block, x.dtype)
-                down = dequantize(self.down_proj, self.down_proj_scale, self.block, x.dtype)
-                return moe_experts(x, ids, weights, gate_up, down, "grouped")
-        return self.reference(x, ids, weights)
+                                      self.down_proj_scale, self.block, residual)
+        if x.is_cuda and backend in ("grouped", "triton") and self.block is None:
+            out = self.grouped(x, ids, weights)
+        elif x.is_cuda and backend == "triton":  # a long step (prefill): every expert's tiles dequantised once, bf16 grouped GEMM
+            gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, self.block, x.dtype)
+            down = dequantize(self.down_proj, self.down_proj_scale, self.block, x.dtype)
+            out = moe_experts(x, ids, weights, gate_up, down, "grouped")
+        else:
+            out = self.reference(x, ids, weights)
+        return out if residual is None else out + residual
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return OPS["grouped"](x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale)

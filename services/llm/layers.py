@@ -153,8 +153,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, get_context().moe_backend)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, get_context().moe_backend, residual)
 
 
 class MLP(nn.Module):
@@ -164,8 +164,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if residual is None else residual + out
 
 
 class SparseMoE(nn.Module):
@@ -181,15 +182,16 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(hidden, shared)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output, plus `residual` when given (the routed experts' kernels add it for free)."""
         if get_context().moe_backend == "triton" and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
             ids, weights = triton_moe.route(x, self.gate.weight, self.top_k, self.norm_topk)  # one kernel, not five
         else:
             ids, weights = OPS["route"](x, self.gate.weight, self.top_k, self.norm_topk)
-        out = self.experts(x, ids, weights)  # a module: quantisation swaps it (services/llm/fp8.py)
-        if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if not hasattr(self, "shared_expert"):
+            return self.experts(x, ids, weights, residual)  # a module: quantisation swaps it (services/llm/fp8.py)
+        out = self.experts(x, ids, weights) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if residual is None else residual + out
 
 
 class DecoderLayer(nn.Module):
@@ -214,4 +216,4 @@ class DecoderLayer(nn.Module):
         out = backend.forward(attn.layer, q, k, v, written=kv is not None)  # [N, heads, D]
         norm = self.post_attention_layernorm
         x, h = OPS["post_attention"](x, out.reshape(x.shape[0], -1), attn.o_proj.weight, norm.weight, norm.eps)
-        return x + self.mlp(h)
+        return self.mlp(h, residual=x)

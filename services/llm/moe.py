@@ -9,13 +9,15 @@ from services.llm import triton_moe
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                backend: str = "loop") -> torch.Tensor:
-    """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H]."""
+                backend: str = "loop", residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H], plus `residual` if given."""
     if backend == "triton" and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
-        return triton_moe.experts(x, ids, weights, gate_up, down)
+        return triton_moe.experts(x, ids, weights, gate_up, down, residual=residual)
     if backend in ("grouped", "triton"):  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
-        return (OPS["grouped"] if x.dtype == torch.bfloat16 else grouped)(x, ids, weights, gate_up, down)
-    return loop(x, ids, weights, gate_up, down)
+        out = (OPS["grouped"] if x.dtype == torch.bfloat16 else grouped)(x, ids, weights, gate_up, down)
+    else:
+        out = loop(x, ids, weights, gate_up, down)
+    return out if residual is None else out + residual
 
 
 def capturable(backend: str, fp8_experts: str = "off") -> bool:

@@ -153,13 +153,17 @@ if triton is not None:
         tl.store(weights_ptr + t * TOP_K + offs_k, top_w.to(weights_ptr.dtype.element_ty), mask=offs_k < TOP_K)
 
     @triton.jit
-    def _combine_kernel(y_ptr, out_ptr, H: tl.constexpr, K_ROUTED: tl.constexpr, BLOCK_H: tl.constexpr):
-        """A token's k weighted rows summed in float32 and stored in the output's dtype (one kernel, not two)."""
+    def _combine_kernel(y_ptr, res_ptr, out_ptr, H: tl.constexpr, K_ROUTED: tl.constexpr, HAS_RES: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+        """A token's k weighted rows summed in float32, plus the residual stream when HAS_RES, stored in the
+        output's dtype: one kernel where there were three (sum, cast, residual add)."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for j in tl.static_range(K_ROUTED):
             acc += tl.load(y_ptr + (t * K_ROUTED + j) * H + offs_h)
+        if HAS_RES:
+            acc += tl.load(res_ptr + t * H + offs_h).to(tl.float32)
         tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty))
 
 
@@ -174,9 +178,10 @@ def _tiles(tokens: int, fp8: bool = False) -> dict:
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-            block: int | None = None) -> torch.Tensor:
+            block: int | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] (bf16, or fp8 with `*_scale`:
-    [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype."""
+    [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype, plus
+    `residual` [T, H] when given (added in float32 before the one rounding)."""
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
@@ -209,7 +214,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
             act, down, sd, flat_ids, weights.reshape(-1).contiguous(), y, r, i, act.stride(0), down.stride(0),
             down.stride(1), sd.stride(0), sd_n, y.stride(0), **common)
         out = torch.empty(t, h, device=x.device, dtype=x.dtype)
-        _combine_kernel[(t, h // COMBINE_BLOCK)](y, out, h, k, BLOCK_H=COMBINE_BLOCK)
+        res = residual.contiguous() if residual is not None else out  # unread without HAS_RES
+        _combine_kernel[(t, h // COMBINE_BLOCK)](y, res, out, h, k, residual is not None, BLOCK_H=COMBINE_BLOCK)
     return out
 
 
