@@ -92,3 +92,21 @@ def test_rows_by_expert_are_a_stable_argsort():
         order, offs = by_expert(ids, experts)
         assert order.tolist() == ids.reshape(-1).argsort(stable=True).tolist()
         assert offs.tolist() == torch.bincount(ids.reshape(-1), minlength=experts).cumsum(0).tolist()
+
+
+@pytest.mark.parametrize("block", [None, fp8.FP8_BLOCK])
+def test_the_full_size_thinker_with_fp8_experts_fits_in_35_gb(block):
+    """The real config's thinker, built on the meta device (no memory, no time): its weights, quantised as the
+    engine quantises them, leave room for a second replica beside the talker on one H200."""
+    from services.model.load import _default_dtype, load_config
+    from services.thinker.model import ThinkerModel
+
+    with torch.device("meta"), _default_dtype(torch.bfloat16):
+        model = ThinkerModel(load_config(None).thinker_config)
+
+    def gb() -> float:
+        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 1e9
+
+    assert 60 < gb() < 63  # bf16: 30.5 B parameters
+    assert fp8.quantize_experts_(model, block) == 48
+    assert 31 < gb() < 35  # measured 32.2 GB (per channel)
