@@ -110,3 +110,72 @@ def test_the_full_size_thinker_with_fp8_experts_fits_in_35_gb(block):
     assert 60 < gb() < 63  # bf16: 30.5 B parameters
     assert fp8.quantize_experts_(model, block) == 48
     assert 31 < gb() < 35  # measured 32.2 GB (per channel)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tiny_model, tmp_path_factory):
+    """The tiny model as a block-fp8 release would ship it: every projection of the thinker and the talker in
+    e4m3 with float32 scales per 16 x 16 tile (`weight_scale_inv`), routers, norms and embeddings as they were."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("fp8") / "model"
+    shutil.copytree(tiny_model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    (out / "config.json").write_text(json.dumps(config))
+    tensors, quantised = {}, 0
+    for path in sorted(out.glob("*.safetensors")):
+        for key, t in load_file(path).items():
+            proj = key.endswith("_proj.weight") and t.dim() == 2 and key.startswith(("thinker.model.", "talker.model."))
+            if proj and t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0:
+                q, scale = fp8.quantize(t.float().reshape(1, *t.shape), 16)
+                tensors[key], tensors[key.removesuffix(".weight") + ".weight_scale_inv"] = q[0], scale[0]
+                quantised += 1
+            else:
+                tensors[key] = t
+        path.unlink()
+    save_file(tensors, str(out / "model.safetensors"))
+    assert quantised > 20
+    return out
+
+
+def test_a_block_fp8_checkpoint_loads(tiny_model, fp8_checkpoint):
+    """Dequantised where the model runs in 16/32 bits; with fp8 experts in tiles, the experts hold exactly the
+    checkpoint's e4m3 values and scales (not quantised again); and the engines serve from it."""
+    from safetensors.torch import load_file
+
+    from services.model.load import checkpoint_fp8_block, dequantize_tiles, load_component
+    from services.talker.engine import NativeTalker
+    from services.thinker.engine import NativeThinker
+
+    assert checkpoint_fp8_block(fp8_checkpoint) == 16 and checkpoint_fp8_block(tiny_model) is None
+    stored = load_file(str(fp8_checkpoint / "model.safetensors"))
+    original = load_component("thinker", tiny_model).state_dict()
+    lm = load_component("thinker", fp8_checkpoint).state_dict()
+    key = "model.layers.1.self_attn.q_proj.weight"
+    q, s = stored[f"thinker.{key}"], stored[f"thinker.{key.removesuffix('.weight')}.weight_scale_inv"]
+    assert torch.equal(lm[key], dequantize_tiles(q, s, 16))
+    assert 0 < (lm[key] - original[key]).norm() / original[key].norm() < 0.04  # what e4m3 costs
+
+    engine = NativeThinker(fp8_checkpoint, fp8_experts="block")
+    experts = engine.model.model.layers[1].mlp.experts
+    assert isinstance(experts, fp8.Fp8Experts) and experts.block == 16
+    base = "thinker.model.layers.1.mlp.experts"
+    assert torch.equal(experts.gate_up_proj[2].view(torch.uint8),
+                       torch.cat([stored[f"{base}.2.gate_proj.weight"], stored[f"{base}.2.up_proj.weight"]]).view(torch.uint8))
+    assert torch.equal(experts.down_proj_scale[3], stored[f"{base}.3.down_proj.weight_scale_inv"])
+    talker = NativeTalker(fp8_checkpoint, fp8_experts="block")
+    assert sum(isinstance(m, fp8.Fp8Experts) for m in talker.talker.modules()) > 0
+
+    from services.llm.sampling import SamplingParams
+    from services.thinker.reference import ThinkerSeq
+
+    seq = ThinkerSeq("fp8", torch.arange(5, 25), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add(seq)
+    while not seq.done:
+        engine.step([seq])
+    assert len(seq.generated) == 4 and seq.stop_reason == "length"

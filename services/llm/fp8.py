@@ -56,11 +56,19 @@ def fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
 class Fp8Experts(nn.Module):
     """The experts of one layer in fp8, with their scales; same call as `Experts`."""
 
-    def __init__(self, experts: Experts, block: int | None):
+    def __init__(self, experts: Experts, block: int | None, stored: tuple[torch.Tensor, ...] | None = None):
+        """Quantises `experts`; or, with `stored` (gate_up, its scales, down, its scales: a block-fp8
+        checkpoint's own values, services.model.load.read_fp8_experts), takes those as they are."""
         super().__init__()
         self.block = block
-        for name in ("gate_up_proj", "down_proj"):
-            q, scale = quantize(getattr(experts, name).detach(), block)
+        for i, name in enumerate(("gate_up_proj", "down_proj")):
+            weight = getattr(experts, name)
+            if stored is None:
+                q, scale = quantize(weight.detach(), block)
+            else:
+                q, scale = (t.to(weight.device) for t in stored[2 * i:2 * i + 2])
+                if q.shape != weight.shape:
+                    raise ValueError(f"stored fp8 {name} {tuple(q.shape)} for experts of {tuple(weight.shape)}")
             self.register_buffer(name, q)
             self.register_buffer(f"{name}_scale", scale)
 
@@ -97,12 +105,28 @@ class Fp8Experts(nn.Module):
         return out
 
 
-def quantize_experts_(model: nn.Module, block: int | None = None) -> int:
-    """Swaps every experts module of `model` for its fp8 version, in place; returns how many it swapped."""
+def fp8_layout(fp8_experts: str, model_dir, load_format: str, component: str) -> tuple[int | None, dict | None]:
+    """(block, stored experts) for quantize_experts_ from the config's `fp8_experts`: per channel; in 128 x 128
+    tiles; or, from a block-fp8 checkpoint with `block`, in the checkpoint's own tiles and values."""
+    if fp8_experts != "block":
+        return None, None
+    from services.model.load import checkpoint_fp8_block, read_fp8_experts
+
+    tile = checkpoint_fp8_block(model_dir) if load_format != "random" else None
+    if tile is None:
+        return FP8_BLOCK, None
+    return tile, read_fp8_experts(model_dir, component, tile)
+
+
+def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict | None = None) -> int:
+    """Swaps every experts module of `model` for its fp8 version, in place; returns how many it swapped.
+    `stored` (read_fp8_experts of a checkpoint in `block` tiles, by experts-module name) gives the values of
+    those it covers as the checkpoint has them, not quantised again."""
     swapped = 0
-    for module in list(model.modules()):
+    for name, module in list(model.named_modules()):
         if isinstance(getattr(module, "experts", None), Experts):
-            module.experts = Fp8Experts(module.experts, block)
+            key = f"{name}.experts" if name else "experts"
+            module.experts = Fp8Experts(module.experts, block, (stored or {}).get(key))
             swapped += 1
     return swapped
 

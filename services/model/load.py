@@ -1,7 +1,9 @@
 """Builds one component of a Qwen3-Omni checkpoint (thinker LM, towers, talker, code2wav) from its folder.
 
 Only the tensors a stage needs are read. Both expert layouts load: the released checkpoint's per-expert
-tensors (`experts.{E}.gate_proj.weight`, ...) and transformers' fused ones (`experts.gate_up_proj`).
+tensors (`experts.{E}.gate_proj.weight`, ...) and transformers' fused ones (`experts.gate_up_proj`); and
+block-scaled fp8 checkpoints (e4m3 weights with `weight_scale_inv` tiles), dequantised into the model's dtype,
+their experts also readable as stored (`read_fp8_experts`).
 Loading is strict: a parameter the checkpoint does not cover is an error, never a silent random init.
 With `load_format="random"` no file is read: weights are drawn from a seeded generator on the device.
 """
@@ -104,6 +106,73 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+FP8_SCALE = ".weight_scale_inv"  # beside `X.weight` in e4m3, one float32 scale per tile (DeepSeek / Qwen FP8 releases)
+
+
+def checkpoint_fp8_block(model_dir: str | Path | None) -> int | None:
+    """The tile size of a block-scaled fp8 checkpoint (`quantization_config`: quant_method fp8, square
+    `weight_block_size`), or None for a checkpoint in 16 or 32 bits."""
+    if model_dir is None or not (Path(model_dir) / "config.json").exists():
+        return None
+    qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8":
+        return None
+    size = qc.get("weight_block_size") or []
+    if len(size) != 2 or size[0] != size[1]:
+        raise ValueError(f"{model_dir}: fp8 checkpoint with weight_block_size {size}: square tiles expected")
+    return int(size[0])
+
+
+def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K] (e4m3) times its tile scales [ceil(N/b), ceil(K/b)] (edge tiles partial) -> [N, K] in `dtype`."""
+    n, k = q.shape
+    if scale.shape != (math.ceil(n / block), math.ceil(k / block)):
+        raise ValueError(f"scales {tuple(scale.shape)} do not tile a {n} x {k} weight in {block} x {block}")
+    full = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (q.float() * full).to(dtype)
+
+
+def dequantize_checkpoint(tensors: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """Every fp8 weight with its tile scales replaced by its float32 value; the scales dropped."""
+    out = {}
+    for key, t in tensors.items():
+        if key.endswith(FP8_SCALE):
+            continue
+        scale = tensors.get(key.removesuffix(".weight") + FP8_SCALE) if key.endswith(".weight") else None
+        if t.dtype == torch.float8_e4m3fn:
+            if scale is None:
+                raise ValueError(f"{key} is fp8 without {FP8_SCALE}: not a layout this loader knows")
+            t = dequantize_tiles(t, scale, block)
+        out[key] = t
+    return out
+
+
+def read_fp8_experts(model_dir: str | Path, name: str, block: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The routed experts of a block-fp8 checkpoint as they are stored, per experts module (its name in the
+    model): (gate_up [E, 2I, H], its scales [E, 2I/b, H/b], down [E, H, I], its scales), for fp8 experts that
+    run on exactly the checkpoint's values. Needs I and H to be whole tiles (gate and up tiles stay apart)."""
+    tensors = read_tensors(model_dir, COMPONENTS[name].prefix, lambda k: ".experts." in k)
+    groups: dict[str, dict[str, dict[int, tuple]]] = defaultdict(lambda: defaultdict(dict))
+    for key, q in tensors.items():
+        m = _PER_EXPERT.match(key)
+        if m and q.dtype == torch.float8_e4m3fn:
+            scale = tensors[key.removesuffix(".weight") + FP8_SCALE]
+            if q.shape[0] % block or q.shape[1] % block:
+                raise ValueError(f"{key}: {tuple(q.shape)} is not whole {block} x {block} tiles")
+            groups[m["base"]][m["proj"]][int(m["e"])] = (q, scale.float())
+    out = {}
+    for base, projs in groups.items():
+        n = len(projs["down_proj"])
+        if any(sorted(projs[p]) != list(range(n)) for p in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{base}: fp8 expert tensors are incomplete")
+        gate_up = torch.stack([torch.cat([projs["gate_proj"][e][0], projs["up_proj"][e][0]]) for e in range(n)])
+        gate_up_scale = torch.stack([torch.cat([projs["gate_proj"][e][1], projs["up_proj"][e][1]]) for e in range(n)])
+        down = torch.stack([projs["down_proj"][e][0] for e in range(n)])
+        down_scale = torch.stack([projs["down_proj"][e][1] for e in range(n)])
+        out[base] = (gate_up, gate_up_scale, down, down_scale)
+    return out
+
+
 def _shard_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -144,6 +213,8 @@ def load_weights_(module: nn.Module, name: str, model_dir: str | Path | None, dt
         return module
     children = {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
     tensors = read_tensors(model_dir, COMPONENTS[name].prefix, lambda k: k.split(".", 1)[0] in children)
+    if block := checkpoint_fp8_block(model_dir):  # fp8 weights in 16 bits here; fp8 experts may read them as stored
+        tensors = dequantize_checkpoint(tensors, block)
     state = fuse_experts(tensors)
     expected = module.state_dict()
     missing = sorted(set(expected) - set(state))

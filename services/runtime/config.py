@@ -130,7 +130,8 @@ class LMStageConfig:
     max_batched_tokens: int = 2048
     max_seqs: int = 256
     moe: Literal["loop", "grouped", "triton"] = "loop"
-    # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile; off: the model's dtype.
+    # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile (from a block-fp8 checkpoint: its
+    # own tiles and values); off: the model's dtype (a block-fp8 checkpoint is then dequantised at load).
     fp8_experts: Literal["off", "channel", "block"] = "off"
     # Attention kernels: flashinfer (GPU, 16-bit), PyTorch's SDPA (anywhere), or auto: flashinfer where it can run.
     attention: Literal["auto", "torch", "flashinfer"] = "auto"

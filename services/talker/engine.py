@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.llm.attention import DenseAttention, SeqSlice, TorchAttention, pick_backend
-from services.llm.fp8 import FP8_BLOCK, quantize_experts_
+from services.llm.fp8 import fp8_layout, quantize_experts_
 from services.llm.host import upload_into
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
@@ -52,7 +52,7 @@ class NativeTalker(SpeechEngine):
             talker = TalkerModel(config.talker_config)
         load_weights_(talker, "talker", model_dir, dtype, load_format, seed)
         if fp8_experts != "off":
-            quantize_experts_(talker, FP8_BLOCK if fp8_experts == "block" else None)
+            quantize_experts_(talker, *fp8_layout(fp8_experts, model_dir, load_format, "talker"))
         talker.to(device).eval()
         fuse_projections_(talker)
         super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames))

@@ -8,7 +8,7 @@ import torch
 
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
-from services.llm.fp8 import FP8_BLOCK, quantize_experts_
+from services.llm.fp8 import fp8_layout, quantize_experts_
 from services.llm.host import upload, upload_into
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
@@ -59,7 +59,7 @@ class NativeThinker:
             self.model = ThinkerModel(config.thinker_config)
         load_weights_(self.model, "thinker", model_dir, dtype, load_format, seed)
         if fp8_experts != "off":
-            quantize_experts_(self.model, FP8_BLOCK if fp8_experts == "block" else None)
+            quantize_experts_(self.model, *fp8_layout(fp8_experts, model_dir, load_format, "thinker"))
         self.model.to(self.device).eval()
         fuse_projections_(self.model)
         spec = OmniSpec.load(model_dir)
