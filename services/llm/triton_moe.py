@@ -1,4 +1,4 @@
-"""Routed experts as two Triton kernels, for the few tokens of a decode step.
+"""Routing and routed experts as Triton kernels, for the few tokens of a decode step.
 
 A decode step routes a handful of tokens to each touched expert, so the step's cost is reading those
 experts' weights. The grouped GEMM pads every expert's group to a wide tile and spends launches on the
@@ -9,7 +9,10 @@ output channels, and streams that slice of the expert's weights once:
      sync), gathers x by token, accumulates gate and up side by side and stores `silu(gate) * up` per
      routed row: no [rows, 2I] tensor;
   2. down: those rows' activations times the expert's down projection, scaled by the row's routing weight
-     and stored at the row's own place, so the k rows of a token are summed after, without atomics.
+     and stored at the row's own place;
+  3. combine: a token's k rows summed in float32, the layer's residual added, one rounding (no atomics).
+
+Before them `route` does the router's work (logits, softmax, top-k, renormalisation) in one kernel.
 
 Weights are bf16, or fp8 (e4m3) with per-channel or 128 x 128 tile scales dequantised in the kernel
 (activations stay bf16: fp8 here only halves the bytes read, which is what a decode step waits on).
@@ -29,13 +32,9 @@ except ImportError:  # CPU installs without triton: the grouped GEMM and the loo
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 # Steps of up to this many tokens run these kernels with `moe: triton`; longer ones (prefill) the grouped GEMM,
-# which wins once every expert has many rows (bench/moe.py).
+# which catches up once every expert has many rows (bench/results/moe-1xh200.json: a tie at 128 tokens).
 MAX_TOKENS = 64
 ROUTE_BLOCK, COMBINE_BLOCK = 128, 128  # hidden columns per step of the routing loop, per combining program
-
-
-def available() -> bool:
-    return triton is not None
 
 
 if triton is not None:
