@@ -18,13 +18,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import grpc
-import yaml
 
 from bench import results
 from bench.loadgen import LoopResult, MeshClient
 from bench.records import summarize
 from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select
-from services.runtime.config import REPO_ROOT, apply_overrides, load_config, write_overridden
+from services.runtime.config import REPO_ROOT, load_config, read_overridden, write_overridden
 
 # Request indices of a cell depend only on its concurrency, so both engines get the same inputs and seeds,
 # and no two cells repeat a prompt (a prefix cache must not turn a later cell into cache hits).
@@ -280,7 +279,7 @@ def main(argv=None) -> dict:
     cfg = load_config(args.config, args.set)
     if cfg.model.dir and not (cfg.model.dir / "config.json").exists():
         raise SystemExit(f"no model folder at {cfg.model.dir}: python -m services.model.build full {cfg.model.path}")
-    content = apply_overrides(yaml.safe_load(Path(args.config).read_text()) or {}, args.set)
+    content = read_overridden(args.config, args.set)
     config = {"path": str(Path(args.config)), "content": content, "overrides": args.set}
     run = {"command": "python -m bench.run " + shlex.join(sys.argv[1:] if argv is None else argv), "args": vars(args),
            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}

@@ -260,12 +260,17 @@ def apply_overrides(data: dict, overrides: list[str] = ()) -> dict:
     return data
 
 
+def read_overridden(path: str | Path, overrides: list[str] = ()) -> dict:
+    """The mapping of the config file at `path` with `overrides` applied."""
+    return apply_overrides(yaml.safe_load(Path(path).read_text()) or {}, overrides)
+
+
 def write_overridden(path: str | Path, overrides: list[str], out: str | Path) -> Path:
     """The config at `path` with `overrides` applied, written to `out` (for processes that read their config
     from a file: the stages of a launched mesh). Without overrides, `path` itself."""
     if not overrides:
         return Path(path)
-    data = apply_overrides(yaml.safe_load(Path(path).read_text()) or {}, overrides)
+    data = read_overridden(path, overrides)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(data))
@@ -274,5 +279,4 @@ def write_overridden(path: str | Path, overrides: list[str], out: str | Path) ->
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> MeshConfig:
     """The config at `path`, with `section.key=value` overrides (values in YAML) applied on top."""
-    data = apply_overrides(yaml.safe_load(Path(path).read_text()) or {}, overrides)
-    return _coerce(MeshConfig, data, Path(path).name).validate()
+    return _coerce(MeshConfig, read_overridden(path, overrides), Path(path).name).validate()

@@ -34,9 +34,18 @@ class _Pending:
     event: object
     placeholders: list[bool]
     row_of: dict[int, int]  # id(SeqState) -> row
-    planned: object = None  # recorded once its plan's copies were queued
-    send: list[bool] = None  # rows whose states go out with their token
-    states: tuple = None  # (input embeddings, accept-layer states) of the step's rows, when any row sends them
+    planned: object  # recorded once its plan's copies were queued (None off CUDA)
+    send: list[bool]  # rows whose states go out with their token
+    states: tuple | None  # (input embeddings, accept-layer states) of the step's rows, when any row sends them
+
+
+def _accept(seq: ThinkerSeq, step: ThinkerStep, token: int) -> ThinkerStep:
+    """`token` is the request's next: its output, and whether it ends the request."""
+    seq.generated.append(token)
+    step.token_ids = [token]
+    seq.stop_reason = step.stop_reason = stop_reason(seq)
+    seq.done = bool(seq.stop_reason)
+    return step
 
 
 @dataclass(eq=False)
@@ -210,7 +219,8 @@ class NativeThinker:
         draws, unless that token ends it by length (it is then not scheduled again)."""
         n = len(work)
         prev = self.pending
-        src = [prev.row_of.get(id(w.seq), -1) if prev is not None else -1 for w in work]
+        pending_rows = prev.row_of if prev is not None else {}
+        src = [pending_rows.get(id(w.seq), -1) for w in work]
         host_ids = [w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)]
         ids = upload(host_ids, self.device, torch.long)
         if any(r >= 0 for r in src):
@@ -225,13 +235,7 @@ class NativeThinker:
         send = [w.seq.owner.return_states and w.start + 1 > w.seq.states_sent for w in work]
         states = None
         if self._graphable(work):
-            b = self.graphs.size_for(n)
-            self.decode_inputs[0, :n] = ids
-            upload_into(self.decode_inputs[1, :n], [w.start + w.seq.owner.rope_delta for w in work])
-            self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
-            if planned is not None:
-                planned.record()
-            embeds, captured, logits = self.graphs.replay(b)
+            embeds, captured, logits = self._replay(work, ids, planned)
             logits = logits[:n]
             if any(send):  # the next replay overwrites them
                 states = embeds[:n].clone(), captured[:n].clone()
@@ -248,7 +252,7 @@ class NativeThinker:
                 states = embeds, captured
         self.scheduler.advance(work)
         owners = [w.seq.owner for w in work]
-        counters = [len(s.generated) + (id(w.seq) in (prev.row_of if prev else {})) for w, s in zip(work, owners)]
+        counters = [len(s.generated) + (r >= 0) for s, r in zip(owners, src)]  # the pending token counts
         tokens = sample_batch(logits, [s.params for s in owners], counters=counters)
         host, event = tokens, None
         if tokens.is_cuda:  # to the host without waiting: read when the next step has been launched
@@ -286,13 +290,10 @@ class NativeThinker:
                 w.seq.tokens[w.start + 1] = token
             else:
                 w.seq.tokens.append(token)
-            seq.generated.append(token)
-            step = ThinkerStep(token_ids=[token])
+            step = ThinkerStep(token_ids=[])
             if p.send[row]:
                 step.state_start, step.embeds, step.hidden = w.start, p.states[0][row:row + 1], p.states[1][row:row + 1]
-            seq.stop_reason = step.stop_reason = stop_reason(seq)
-            seq.done = bool(seq.stop_reason)
-            out.append((seq, step))
+            out.append((seq, _accept(seq, step, token)))
         return out
 
     # -- one step ----------------------------------------------------------------------------------
@@ -302,14 +303,24 @@ class NativeThinker:
         return (self.graphs is not None and len(work) <= self.graphs.max_batch
                 and all(w.n == 1 and w.start >= len(w.seq.owner.prompt_ids) and w.start + 1 == len(w.seq.tokens) for w in work))
 
-    def _graph_step(self, work: list[Work]):
-        b = self.graphs.size_for(len(work))
-        host = torch.zeros(2, b, dtype=torch.long)
-        host[0, :len(work)] = torch.tensor([w.seq.tokens[w.start] for w in work])
-        host[1, :len(work)] = torch.tensor([w.start + w.seq.owner.rope_delta for w in work])
-        upload_into(self.decode_inputs[:, :b], host)
+    def _replay(self, work: list[Work], ids, planned=None) -> tuple:
+        """The decode graph for `work` (its input ids: a device tensor, or host values), replayed; `planned`
+        is recorded once the attention plan's copies are queued. Outputs valid until the next replay."""
+        n = len(work)
+        b = self.graphs.size_for(n)
+        if isinstance(ids, torch.Tensor):
+            self.decode_inputs[0, :n] = ids
+        else:
+            upload_into(self.decode_inputs[0, :n], ids)
+        # Padding rows keep whatever they held: they only touch the scratch block, and their outputs are dropped.
+        upload_into(self.decode_inputs[1, :n], [w.start + w.seq.owner.rope_delta for w in work])
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
-        embeds, captured, logits = self.graphs.replay(b)
+        if planned is not None:
+            planned.record()
+        return self.graphs.replay(b)
+
+    def _graph_step(self, work: list[Work]):
+        embeds, captured, logits = self._replay(work, [w.seq.tokens[w.start] for w in work])
         self.scheduler.advance(work)
         n = len(work)
         if captured is not None and any(w.seq.owner.return_states for w in work):  # the next replay overwrites them
@@ -377,12 +388,8 @@ class NativeThinker:
             if seq.embed_token_ids and not seq.generated and w.start == 0:
                 step.token_embeds = self.model.model.embed_tokens(torch.tensor(seq.embed_token_ids, device=self.device))
             if id(w) in sampled:
-                token = sampled[id(w)]
-                w.seq.tokens.append(token)
-                seq.generated.append(token)
-                step.token_ids = [token]
-                seq.stop_reason = step.stop_reason = stop_reason(seq)
-                seq.done = bool(seq.stop_reason)
+                w.seq.tokens.append(sampled[id(w)])
+                _accept(seq, step, sampled[id(w)])
             row += w.n
             if step.token_ids or step.embeds is not None or step.token_embeds is not None:
                 out.append((seq, step))
