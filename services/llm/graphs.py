@@ -23,6 +23,7 @@ def ladder(max_batch: int) -> list[int]:
 
 
 class CapturedGraphs:
+    @torch.no_grad()  # a recorded step never builds an autograd graph (nor a compiled variant that would)
     def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device):
         self.sizes = sorted(sizes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}

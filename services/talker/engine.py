@@ -53,7 +53,7 @@ class NativeTalker(SpeechEngine):
         load_weights_(talker, "talker", model_dir, dtype, load_format, seed)
         if fp8_experts != "off":
             quantize_experts_(talker, *fp8_layout(fp8_experts, model_dir, load_format, "talker"))
-        talker.to(device).eval()
+        talker.to(device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
         fuse_projections_(talker)
         super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames))
         text, cp = config.talker_config.text_config, config.talker_config.code_predictor_config

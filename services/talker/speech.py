@@ -71,7 +71,7 @@ class SpeechEngine:
 
     def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int]):
         self.device, self.dtype, self.talker = torch.device(device), dtype, talker
-        self.code2wav = load_component("code2wav", model_dir, device, dtype, load_format, seed)
+        self.code2wav = load_component("code2wav", model_dir, device, dtype, load_format, seed).requires_grad_(False)
         self.spec = spec = OmniSpec.load(model_dir)
         tc = spec.talker
         self.voices = spec.voices

@@ -69,7 +69,7 @@ class NativeThinker:
         load_weights_(self.model, "thinker", model_dir, dtype, load_format, seed)
         if fp8_experts != "off":
             quantize_experts_(self.model, *fp8_layout(fp8_experts, model_dir, load_format, "thinker"))
-        self.model.to(self.device).eval()
+        self.model.to(self.device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
         fuse_projections_(self.model)
         spec = OmniSpec.load(model_dir)
         tc = config.thinker_config.text_config
