@@ -236,6 +236,21 @@ def resumed(prior: dict, fresh: dict) -> dict:
     return prior
 
 
+def wait_serving(cfg, seconds: float, poll_s: float = 1.0) -> None:
+    """Returns once every replica of every stage of `cfg` answers its health check SERVING. The gateway
+    serves before the stages behind it have loaded their models, so asking it alone is not enough."""
+    from services.runtime.probe import is_serving
+
+    pending = {f"{stage}[{i}]": r.address for stage in cfg.STAGES for i, r in enumerate(cfg.replicas(stage))}
+    deadline = time.perf_counter() + seconds
+    while pending:
+        pending = {name: a for name, a in pending.items() if not is_serving(a, timeout=1.0)}
+        if pending and time.perf_counter() >= deadline:
+            raise SystemExit(f"not serving after {seconds:.0f}s: " + ", ".join(f"{n} at {a}" for n, a in sorted(pending.items())))
+        if pending:
+            time.sleep(poll_s)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="mesh config: the deployment, its model and sampling defaults")
@@ -266,7 +281,7 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None, help="stage logs with --launch (default .cache/logs)")
     p.add_argument("--records", action="store_true", help="keep every request's raw record in the result")
     p.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
-                   help="without --launch: wait this long for the gateway to answer (a mesh still starting)")
+                   help="without --launch: wait this long for every replica of the config to serve (a mesh still starting)")
     p.add_argument("--resume", action="store_true", help="--out exists: add the cells it lacks (same config, code, lengths)")
     return p.parse_args(argv)
 
@@ -320,6 +335,10 @@ def main(argv=None) -> dict:
         finally:
             run["stage_exit_codes"] = mesh.stop()
     else:  # a mesh started apart (services.launch with the same --config and --set), perhaps still starting
+        if args.wait_ready:
+            t0 = time.perf_counter()
+            wait_serving(cfg, args.wait_ready)
+            run["wait_ready_s"] = time.perf_counter() - t0
         asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda: "", args.wait_ready))
     run.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=time.perf_counter() - started)
     results.write(result, args.out)

@@ -222,7 +222,8 @@ def test_a_sweep_runs_in_parts(bench_dir):
 
 def test_a_mesh_started_apart(bench_dir, mesh):
     """--address drives a mesh started on its own (services.launch, kept up between parts of a sweep);
-    --wait-ready waits for a gateway still starting, and gives up on one that never answers."""
+    --wait-ready waits for every replica of the config to serve (not the gateway alone, which serves before
+    the stages behind it have loaded), and gives up on one that never answers, naming it."""
     import time
 
     out = bench_dir / "apart.json"
@@ -237,3 +238,13 @@ def test_a_mesh_started_apart(bench_dir, mesh):
     with pytest.raises(SystemExit, match="cannot reach the gateway"):
         bench_run.main([*common, "--address", f"127.0.0.1:{free_ports(1)[0]}", "--wait-ready", "2", "--out", str(bench_dir / "none.json")])
     assert 2 <= time.perf_counter() - t0 < 30
+
+    import yaml
+
+    raw = yaml.safe_load(open(mesh.config_path))
+    raw["thinker"]["replicas"][0]["port"] = free_ports(1)[0]  # a thinker that never comes up
+    missing = bench_dir / "no-thinker.yaml"
+    missing.write_text(yaml.safe_dump(raw))
+    with pytest.raises(SystemExit, match=r"not serving after 2s: thinker\[0\] at 127.0.0.1:"):
+        bench_run.main([*common[:1], str(missing), *common[2:], "--address", mesh.gateway_address, "--wait-ready", "2",
+                        "--out", str(bench_dir / "none.json")])
