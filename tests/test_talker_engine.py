@@ -53,6 +53,8 @@ def cases(tiny_model, hf_model):
 def test_batched_speech_equals_transformers(tiny_model, cases, setup):
     data, spec = cases
     engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, **ENGINES[setup])
+    # Nothing records autograd (captured steps would, and compiled layers would keep a variant for it).
+    assert not any(p.requires_grad for m in (engine.talker, engine.code2wav) for p in m.parameters())
     seqs, fed, chunks = {}, {}, {name: [] for name in data}
     for name, d in data.items():
         seq = TalkerSeq(name, d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), d["tts"])
