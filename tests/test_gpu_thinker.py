@@ -151,7 +151,10 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
         return [s.generated for s in seqs]
 
     overlapped_before = engine.overlapped
-    plain, overlapped = run(False), run(True)
+    plain, again, overlapped = run(False), run(False), run(True)
+    # Random weights leave near-ties everywhere (see the greedy test): the comparison needs a bitwise-repeatable
+    # engine first, so a failure says which of the two broke.
+    assert again == plain, "two plain runs differ: the engine does not repeat itself bit for bit"
     assert engine.overlapped - overlapped_before >= 40 and engine.pending is None
     assert overlapped == plain
 
