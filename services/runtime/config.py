@@ -167,6 +167,12 @@ class TalkerConfig(LMStageConfig):
     first_chunk_frames: int = 5
     chunk_frames: int = 25
     left_context_frames: int = 25
+    # native engine with cuda_graph_max_batch: code2wav replayed from CUDA graphs for each chunk shape.
+    code2wav_graphs: bool = True
+
+    @property
+    def native_args(self) -> dict:
+        return {**super().native_args, "code2wav_graphs": self.code2wav_graphs}
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 
 from services.llm.attention import DenseAttention, SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import upload_into
+from services.llm.host import upload, upload_into
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
@@ -44,7 +44,8 @@ class NativeTalker(SpeechEngine):
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
-                 fp8_experts: str = "off", attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False):
+                 fp8_experts: str = "off", attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False,
+                 code2wav_graphs: bool = True):
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -86,6 +87,8 @@ class NativeTalker(SpeechEngine):
             self.cp_graphs = CapturedGraphs(sizes, self._predict_body, self.device)
             if self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
                 self._capture(sizes, blocks, text)
+            if code2wav_graphs:
+                self.capture_code2wav(min(cuda_graph_max_batch, max_seqs))
 
     def _capture(self, sizes: list[int], scratch: int, text) -> None:
         """The talker's decode steps (one input row per request, positions equal on the three M-RoPE rows)
@@ -167,23 +170,31 @@ class NativeTalker(SpeechEngine):
         self.scheduler.add(state)
 
     def _frames(self, seqs: list[TalkerSeq]) -> None:
-        """Predicts the pending frame of each request, then queues the talker's next input for those that go on."""
+        """Predicts the pending frame of each request, then queues the talker's next input for those that go on
+        (their inputs and positions built for all of them at once: a few launches whatever the batch)."""
         t0 = time.perf_counter()
         codes, embeds = self._predict(seqs)
         rows = codes.tolist()  # one wait on the device for every request's frame
         share = (time.perf_counter() - t0) / len(seqs)
+        going = []
         for i, seq in enumerate(seqs):
-            t = len(seq.frames)
             seq.frames.append(rows[i])
             seq.code0 = None
             seq.seconds["code_predictor"] += share
             if len(seq.frames) >= seq.params.max_tokens:
                 seq.done = True
-                continue
-            state = self.states[id(seq)]
-            state.inputs.append(embeds[i].sum(0, keepdim=True) + self.trailing(seq, t))
-            state.positions.append(torch.full((3, 1), len(state.tokens) + seq.rope_delta, device=self.device))
-            state.tokens.append(seq.frames[-1][0])
+            else:
+                going.append(i)
+        if not going:
+            return
+        states = [self.states[id(seqs[i])] for i in going]
+        inputs = embeds[going].sum(1) + self.trailing_rows([(seqs[i], len(seqs[i].frames) - 1) for i in going])
+        positions = upload([len(st.tokens) + seqs[i].rope_delta for i, st in zip(going, states)], self.device,
+                           torch.float32)[None].expand(3, -1)
+        for j, (i, state) in enumerate(zip(going, states)):
+            state.inputs.append(inputs[j:j + 1])
+            state.positions.append(positions[:, j:j + 1])
+            state.tokens.append(seqs[i].frames[-1][0])
 
     def _predict(self, seqs: list[TalkerSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes [B, G] of the frames whose first codes are pending, and their code embeddings [B, G, D]:

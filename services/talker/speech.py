@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from services.llm.host import upload_into
 from services.llm.mrope import Layout, mrope_positions, tokens_from_config
 from services.llm.sampling import SamplingParams
 from services.model.load import load_component
@@ -87,6 +88,39 @@ class SpeechEngine:
         self.chunking = chunking
         self.samples_per_frame = int(self.code2wav.total_upsample)
         self.sample_rate = 24000
+        self.c2w_graphs: dict[int, tuple[torch.Tensor, object]] = {}  # frames (context included) -> (codes buffer, graphs)
+
+    def chunk_shapes(self) -> list[int]:
+        """The frame counts (left context included) code2wav sees for every chunk but a request's last: the
+        first chunk, the second (its context is the first), and every later one."""
+        first, size, context = self.chunking
+        return sorted({first, min(context, first) + size, context + size})
+
+    def capture_code2wav(self, max_batch: int) -> None:
+        """code2wav over each chunk shape, replayed from CUDA graphs for a ladder of batch sizes up to
+        `max_batch`: launched eagerly, a small chunk's hundreds of kernels cost more on the host than on the
+        device. Rows are independent (convolutions and attention run along each row's own time axis), so a
+        group pads with zero codes to the next captured size."""
+        from services.llm.graphs import CapturedGraphs, ladder
+
+        sizes = ladder(max_batch)
+        for frames in self.chunk_shapes():
+            codes = torch.zeros(sizes[-1], self.groups, frames, dtype=torch.long, device=self.device)
+            self.c2w_graphs[frames] = codes, CapturedGraphs(sizes, lambda b, codes=codes: self.code2wav(codes[:b]), self.device)
+
+    def _code2wav(self, codes: list) -> torch.Tensor:
+        """Waveforms [B, 1, samples] of code rows [B][frames][groups] of one length: replayed from a graph
+        where one is captured for the length and batch, else eagerly."""
+        n, frames = len(codes), len(codes[0])
+        captured = self.c2w_graphs.get(frames)
+        if captured is None or n > captured[1].max_batch:
+            return self.code2wav(torch.tensor(codes, device=self.device).transpose(1, 2))
+        buf, graphs = captured
+        b = graphs.size_for(n)
+        upload_into(buf[:n], torch.tensor(codes).transpose(1, 2).contiguous())
+        if b > n:
+            buf[n:b] = 0
+        return graphs.replay(b)[:n]
 
     def add(self, seq: TalkerSeq) -> None:
         if seq.params.max_tokens < 1:
@@ -170,11 +204,26 @@ class SpeechEngine:
 
     def trailing(self, seq: TalkerSeq, t: int) -> torch.Tensor:
         """The text added to frame t's input [1, D]: thinker position L + 1 + t, then tts_eos, then tts_pad."""
-        pos = len(seq.prompt_ids) + 1 + t
-        if pos < seq.n_states:
-            embeds, _ = self._states(seq)
-            return self.talker.text_projection(embeds[pos:pos + 1][None])[0]
-        return seq.tts[1:2] if pos == seq.n_states else seq.tts[2:3]
+        return self.trailing_rows([(seq, t)])
+
+    def trailing_rows(self, frames: list[tuple[TalkerSeq, int]]) -> torch.Tensor:
+        """`trailing` for many (request, frame) pairs at once [N, D]: the thinker rows still to come go through
+        the text projection together, in one call whatever N."""
+        text, tts = [], []  # (row of the result, thinker input embedding) / (row, projected tts row)
+        for row, (seq, t) in enumerate(frames):
+            pos = len(seq.prompt_ids) + 1 + t
+            if pos < seq.n_states:
+                text.append((row, self._states(seq)[0][pos]))
+            else:
+                tts.append((row, seq.tts[1] if pos == seq.n_states else seq.tts[2]))
+        if not tts:
+            return self.talker.text_projection(torch.stack([e for _, e in text])[None])[0]
+        if not text:
+            return torch.stack([e for _, e in tts])
+        out = torch.empty(len(frames), frames[0][0].tts.shape[1], device=self.device, dtype=self.dtype)
+        out[[r for r, _ in text]] = self.talker.text_projection(torch.stack([e for _, e in text])[None])[0]
+        out[[r for r, _ in tts]] = torch.stack([e for _, e in tts])
+        return out
 
     def _next_chunk(self, seq: TalkerSeq) -> tuple[int, int, int] | None:
         """(start, end, left context) of the next chunk ready for audio: a small first one, then full ones
@@ -198,9 +247,8 @@ class SpeechEngine:
                 groups.setdefault((end - start, ctx), []).append((s, start, end, ctx))
             for group in groups.values():
                 t0 = time.perf_counter()
-                codes = torch.tensor([s.frames[start - ctx:end] for s, start, end, ctx in group], device=self.device)
-                wavs = self.code2wav(codes.transpose(1, 2))[:, 0, group[0][3] * self.samples_per_frame:]  # [B, samples]
-                wavs = wavs.float().cpu().numpy()
+                wavs = self._code2wav([s.frames[start - ctx:end] for s, start, end, ctx in group])
+                wavs = wavs[:, 0, group[0][3] * self.samples_per_frame:].float().cpu().numpy()  # [B, samples], copied out
                 for (s, start, end, _), wav in zip(group, wavs):
                     out[id(s)].append(SpeechChunk(wav, s.frames[start:end], start))
                     s.decoded = end
