@@ -54,7 +54,15 @@ _WORKER: Preprocessor | None = None
 
 def _init_worker(model_dir, limits, n_window) -> None:
     global _WORKER
+    single_threaded()
     _WORKER = Preprocessor(model_dir, limits, n_window)
+
+
+def single_threaded() -> None:
+    """One thread per decoder: the pool runs decoders side by side, and torch's intra-op threads on top of
+    it fight over the cores (a 7 s clip's log-mel takes 5 ms on one thread and over 100 ms with a thread per
+    core while its neighbours do the same)."""
+    torch.set_num_threads(1)
 
 
 def _ready() -> bool:
@@ -118,6 +126,8 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.preprocess.replicas[replica]
+    if cfg.preprocess.pool == "thread":  # the decoders are this process's threads
+        single_threaded()
     pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
     transport = Transport(cfg.transport, f"preprocess{replica}", r.shm_domain)
     servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers, cfg.preprocess.pool)
