@@ -157,3 +157,52 @@ def test_a_killed_consumers_slots_are_reclaimed():
     assert pool.table.slots_in_use == 0
     assert t.put(tensor(0, "cuda:0"), placement).WhichOneof("location") == "cuda"  # and the pool still serves
     t.close()
+
+
+def _busy(device: str) -> None:
+    """Keeps `device`'s current stream busy for a few hundred ms (a kernel spinning 6e8 cycles: 0.3 s at the
+    H200's 2 GHz), without the host waiting."""
+    with torch.cuda.device(device):
+        torch.cuda._sleep(600_000_000)
+
+
+def _read_while_busy(data: bytes, device: str, expected, report) -> None:
+    from services.runtime.transport import Transport
+
+    t = Transport(CFG, "busyread", "local")
+    torch.zeros(1, device=device)
+    with torch.cuda.device(device):
+        _busy(device)
+        got = t.get(tensor_pb2.TensorRef.FromString(data), device)
+        still_busy = not torch.cuda.current_stream().query()
+    report.send((still_busy, torch.equal(got.cpu(), expected)))
+
+
+def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work():
+    """A stage's engine keeps its stream busy: a put given its tensor's `ready` event, and a get, return while
+    that work still runs (their copies run on the transport's own streams), with the bytes exact."""
+    from services.runtime.transport import Transport
+
+    t = Transport(CFG, "busyput", "local")
+    placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
+    x = tensor(3, "cuda:0")
+    ready = torch.cuda.Event()
+    ready.record()
+    with torch.cuda.device("cuda:0"):
+        _busy("cuda:0")
+        ref = t.put(x, placement, ready)
+        assert not torch.cuda.current_stream().query(), "the put waited for work queued after its tensor"
+        torch.cuda.synchronize()
+    pool = t.cuda_pool(torch.device("cuda:0"))
+    s = ref.cuda
+    assert torch.equal(pool.buffer[s.offset:s.offset + s.nbytes], x.reshape(-1).view(torch.uint8))
+    ctx = mp.get_context("spawn")
+    for device in devices():
+        r, w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_read_while_busy, args=(t.put(x, placement).SerializeToString(), device, x.cpu(), w))
+        proc.start()
+        assert r.poll(120)
+        still_busy, exact = r.recv()
+        proc.join(timeout=60)
+        assert exact and still_busy, (device, still_busy, exact)
+    t.close()

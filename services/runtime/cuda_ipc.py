@@ -38,15 +38,25 @@ class CudaPool:
             event_sync_required=event_sync, pool_bytes=size,
         )
 
-    def put(self, tensor: torch.Tensor) -> tensor_pb2.CudaIpcSlot | None:
+    def put(self, tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> tensor_pb2.CudaIpcSlot | None:
+        """Copies `tensor` into a slot. The consumer reads from another process, so the bytes are there before
+        this returns: with `ready` (recorded after the tensor's producer) the copy waits for that alone, on a
+        stream of its own, not for work the stage queued since (its engine's next step)."""
         nbytes = tensor.numel() * tensor.element_size()
         got = self.table.alloc(nbytes)
         if got is None:
             return None
         slot, gen, offset = got
-        self.buffer[offset:offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        # The consumer reads from another process: the bytes must be there before the ref leaves.
-        torch.cuda.current_stream(self.device).synchronize()
+        dst = self.buffer[offset:offset + nbytes]
+        if ready is None:
+            dst.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            stream = _stream(self.device)
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                dst.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            stream.synchronize()
         return tensor_pb2.CudaIpcSlot(pool=self.table.name, slot=slot, generation=gen, offset=offset, nbytes=nbytes, handle=self.handle)
 
     def close(self) -> None:
@@ -63,10 +73,29 @@ def open_pool(handle: tensor_pb2.CudaPoolHandle) -> torch.Tensor:
     )
 
 
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    """The transport's own stream on `device`: its copies wait for nothing the stage's engine queues."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
 def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device) -> torch.Tensor:
-    """A copy, on `device`, of the tensor at `offset` of a mapped pool; complete when this returns."""
+    """A copy, on `device`, of the tensor at `offset` of a mapped pool; complete when this returns.
+
+    The copy runs on a stream of its own and only it is waited for: the producer finished writing before it
+    sent the ref, so nothing queued in this process need come first, and a stage whose engine keeps the
+    device busy (a talker step, a thinker step) does not hold up the thread that takes in its inputs."""
     target = torch.device(device)
-    out = buffer[offset:offset + nbytes].view(dtype).reshape(shape).to(target, copy=True)
-    if target.type == "cuda":  # the copy runs on the target's stream, after the source's: its end is the read's end
-        torch.cuda.current_stream(target).synchronize()
+    source = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+    stream = _stream(target if target.type == "cuda" else buffer.device)  # into host memory: on the pool's GPU
+    with torch.cuda.stream(stream):
+        out = source.to(target, copy=True)
+    stream.synchronize()
+    if target.type == "cuda":
+        # Allocated on the read stream, used on the consumer's: its memory is not reused before that use is done.
+        out.record_stream(torch.cuda.current_stream(target))
     return out

@@ -206,7 +206,9 @@ class Transport:
         metrics.TRANSPORT_BYTES.labels(transport, direction).inc(nbytes)
         metrics.TRANSPORT_TRANSFERS.labels(transport, direction).inc()
 
-    def put(self, tensor: torch.Tensor, placement: tensor_pb2.Placement | None) -> tensor_pb2.TensorRef:
+    def put(self, tensor: torch.Tensor, placement: tensor_pb2.Placement | None, ready=None) -> tensor_pb2.TensorRef:
+        """A ref to `tensor` for a consumer at `placement`. A CUDA tensor is read once it is complete: after
+        `ready` (a CUDA event recorded after its producer), else after everything queued on the current stream."""
         tensor = tensor.detach()
         if tensor.dtype not in DTYPES:
             raise TypeError(f"unsupported dtype {tensor.dtype}")
@@ -215,7 +217,7 @@ class Transport:
         same_host = bool(nbytes and self.shm_domain and placement is not None and placement.shm_domain == self.shm_domain)
         if same_host and tensor.is_cuda and placement.cuda and self.cfg.cuda_ipc:
             pool = self.cuda_pool(tensor.device)
-            slot = pool.put(tensor)
+            slot = pool.put(tensor, ready)
             if slot is not None:
                 ref.cuda.CopyFrom(slot)
                 self._count("cuda_ipc", "out", nbytes)

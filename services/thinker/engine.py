@@ -293,6 +293,7 @@ class NativeThinker:
             step = ThinkerStep(token_ids=[])
             if p.send[row]:
                 step.state_start, step.embeds, step.hidden = w.start, p.states[0][row:row + 1], p.states[1][row:row + 1]
+            step.ready = p.event if step.embeds is not None else None  # its states were copied before the event
             out.append((seq, _accept(seq, step, token)))
         return out
 
@@ -393,5 +394,15 @@ class NativeThinker:
             row += w.n
             if step.token_ids or step.embeds is not None or step.token_embeds is not None:
                 out.append((seq, step))
+        return self._mark_ready(out)
+
+    def _mark_ready(self, out: list[tuple[ThinkerSeq, ThinkerStep]]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+        """One event after the step's output tensors, for the steps that carry any (see ThinkerStep.ready)."""
+        carrying = [step for _, step in out if step.embeds is not None or step.token_embeds is not None]
+        if carrying and self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+            for step in carrying:
+                step.ready = ready
         return out
 

@@ -56,6 +56,9 @@ class ThinkerStep:
     hidden: torch.Tensor | None = None  # [n, H] accept_hidden_layer output of those positions
     token_embeds: torch.Tensor | None = None
     stop_reason: str = ""
+    # A CUDA event recorded once the tensors above are queued: a consumer waits for it alone, not for whatever
+    # the engine queued after (None: they are complete, or on the CPU).
+    ready: object = None
 
 
 def validate(seq: ThinkerSeq, vocab: int, hidden: int, has_states: bool) -> None:

@@ -50,10 +50,10 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                 TOKENS.labels("thinker").inc(len(step.token_ids))
                 if step.embeds is not None:
                     out.state_start = step.state_start
-                    out.embeds.CopyFrom(self.transport.put(step.embeds, request.placement))
-                    out.hidden.CopyFrom(self.transport.put(step.hidden, request.placement))
+                    out.embeds.CopyFrom(self.transport.put(step.embeds, request.placement, step.ready))
+                    out.hidden.CopyFrom(self.transport.put(step.hidden, request.placement, step.ready))
                 if step.token_embeds is not None:
-                    out.token_embeds.CopyFrom(self.transport.put(step.token_embeds, request.placement))
+                    out.token_embeds.CopyFrom(self.transport.put(step.token_embeds, request.placement, step.ready))
                 if step.stop_reason:
                     out.stop_reason = STOP_REASONS[step.stop_reason]
                     out.prompt_tokens = len(seq.prompt_ids)
