@@ -166,14 +166,15 @@ def _busy(device: str) -> None:
         torch.cuda._sleep(600_000_000)
 
 
-def _read_while_busy(data: bytes, device: str, expected, report) -> None:
+def _read_while_busy(first: bytes, second: bytes, device: str, expected, report) -> None:
     from services.runtime.transport import Transport
 
     t = Transport(CFG, "busyread", "local")
     torch.zeros(1, device=device)
+    t.get(tensor_pb2.TensorRef.FromString(first), device)  # maps the pool (opening a handle may wait for the device)
     with torch.cuda.device(device):
         _busy(device)
-        got = t.get(tensor_pb2.TensorRef.FromString(data), device)
+        got = t.get(tensor_pb2.TensorRef.FromString(second), device)
         still_busy = not torch.cuda.current_stream().query()
     report.send((still_busy, torch.equal(got.cpu(), expected)))
 
@@ -186,6 +187,7 @@ def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work()
     t = Transport(CFG, "busyput", "local")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     x = tensor(3, "cuda:0")
+    t.cuda_pool(torch.device("cuda:0"))  # the pool exists before the stream is kept busy
     ready = torch.cuda.Event()
     ready.record()
     with torch.cuda.device("cuda:0"):
@@ -199,7 +201,8 @@ def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work()
     ctx = mp.get_context("spawn")
     for device in devices():
         r, w = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_read_while_busy, args=(t.put(x, placement).SerializeToString(), device, x.cpu(), w))
+        refs = [t.put(x, placement).SerializeToString() for _ in range(2)]
+        proc = ctx.Process(target=_read_while_busy, args=(*refs, device, x.cpu(), w))
         proc.start()
         assert r.poll(120)
         still_busy, exact = r.recv()
