@@ -114,6 +114,9 @@ class EncoderConfig:
     engine: Literal["reference"] = "reference"
     # Encode every item a step holds in one call per tower (off: one call per item).
     batch: bool = False
+    # How long the engine's thread may wait for the interpreter lock while the server's thread holds it (Python's
+    # switch interval: its default, 5 ms, is paid after each of the engine's device waits while the server is busy).
+    switch_interval_ms: float = 0.5
 
 
 @dataclass
@@ -122,6 +125,9 @@ class LMStageConfig:
     replicas: list[Replica] = field(default_factory=list)
     # reference: transformers' modules, one request per forward; native: paged KV and continuous batching.
     engine: Literal["reference", "native"] = "reference"
+    # How long the engine's thread may wait for the interpreter lock while the server's thread holds it (Python's
+    # switch interval: its default, 5 ms, is paid after each of the engine's device waits while the server is busy).
+    switch_interval_ms: float = 0.5
     # native engine: KV cache blocks of block_size tokens (0 blocks: as many as the device has room for),
     # at most max_batched_tokens tokens and max_seqs sequences per step; experts by loop, grouped GEMM, or
     # triton: Triton kernels for decode-sized steps and the grouped GEMM for longer ones (GPU only).
@@ -204,6 +210,9 @@ class MeshConfig:
                     if (r.host, port) in seen:
                         raise ConfigError(f"{stage}.replicas[{i}]: {r.host}:{port} already used by {seen[r.host, port]}")
                     seen[r.host, port] = f"{stage}.replicas[{i}]"
+        for stage in ("encoder", "thinker", "talker"):
+            if not getattr(self, stage).switch_interval_ms > 0:
+                raise ConfigError(f"{stage}.switch_interval_ms must be positive")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -68,6 +69,9 @@ def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: 
 
     r = cfg.replicas(stage)[replica]
     log.info("%s[%d] engine: %s on %s", stage, replica, getattr(engine, "summary", type(engine).__name__), r.device)
+    # The engine's thread gives up the interpreter lock at every device wait; the server's thread, busy with
+    # messages, would keep it for a whole switch interval before the engine gets it back.
+    sys.setswitchinterval(getattr(cfg, stage).switch_interval_ms / 1000)
     worker = EngineWorker(engine, stage)
     transport = Transport(cfg.transport, f"{stage}{replica}", r.shm_domain)
     if exports_gpu_tensors and engine.device.type == "cuda":
