@@ -1,7 +1,9 @@
-"""Where a thinker decode step's time goes: cProfile of the host side and torch.profiler's view of both
-sides, for one batch size and prompt length, on the config's engine (overrides as in bench.stages).
+"""Where a decode step's time goes: cProfile of the host side and torch.profiler's view of both sides, for
+one batch size, on the config's engine (overrides as in bench.stages): the thinker's steps at a prompt
+length, or the talker's frame steps (talker, code predictor, code2wav) fed synthetic thinker states.
 
     python -m bench.profile_step --config configs/bench-1xh200.yaml --set thinker.engine=native --batch 64
+    python -m bench.profile_step --config configs/bench-1xh200.yaml --stage talker --set talker.engine=native --batch 32
 """
 
 import argparse
@@ -11,9 +13,39 @@ import pstats
 
 import torch
 
-from bench.stages import THINKER_SAMPLING
+from bench.stages import THINKER_SAMPLING, TalkerFeed
 from services.llm.sampling import SamplingParams
 from services.runtime.config import load_config
+
+
+def thinker(cfg, args):
+    """The thinker's engine and `batch` requests past their prompts."""
+    from services.thinker.reference import ThinkerSeq
+    from services.thinker.server import make_engine
+
+    engine = make_engine(cfg, cfg.thinker.replicas[0].device)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [ThinkerSeq(f"p{i}", torch.randint(0, engine.vocab, (args.prompt_len,), generator=gen),
+                       SamplingParams(max_tokens=3 * args.steps + 4, seed=i + 1, **THINKER_SAMPLING)) for i in range(args.batch)]
+    for s in seqs:
+        engine.add(s)
+    while any(not s.generated for s in seqs):
+        engine.step(seqs)
+    return engine, seqs
+
+
+def talker(cfg, args):
+    """The talker's engine and `batch` speech requests past their prompts, with frames for every step to come."""
+    from services.talker.server import make_engine
+
+    engine = make_engine(cfg, cfg.talker.replicas[0].device)
+    seqs = TalkerFeed(engine, cfg, 0, 32).batch(args.batch, 3 * args.steps + 4)
+    engine.step(ready(engine, seqs))  # every prompt
+    return engine, seqs
+
+
+def ready(engine, seqs) -> list:
+    return [s for s in seqs if engine.ready(s)]
 
 
 def main(argv=None):
@@ -24,27 +56,17 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--stage", choices=["thinker", "talker"], default="thinker")
     args = p.parse_args(argv)
-    from services.thinker.reference import ThinkerSeq
-    from services.thinker.server import make_engine
-
     cfg = load_config(args.config, args.set)
-    device = cfg.thinker.replicas[0].device
-    engine = make_engine(cfg, device)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [ThinkerSeq(f"p{i}", torch.randint(0, engine.vocab, (args.prompt_len,), generator=gen),
-                       SamplingParams(max_tokens=3 * args.steps + 4, seed=i + 1, **THINKER_SAMPLING)) for i in range(args.batch)]
-    for s in seqs:
-        engine.add(s)
-    while any(not s.generated for s in seqs):
-        engine.step(seqs)
+    engine, seqs = (talker if args.stage == "talker" else thinker)(cfg, args)
     for _ in range(args.steps):  # warm
-        engine.step(seqs)
+        engine.step(ready(engine, seqs))
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.steps):
-        engine.step(seqs)
+        engine.step(ready(engine, seqs))
     prof.disable()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.rows)
@@ -54,7 +76,7 @@ def main(argv=None):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as tp:
         for _ in range(args.steps):
-            engine.step(seqs)
+            engine.step(ready(engine, seqs))
     print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if torch.cuda.is_available():
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))

@@ -169,35 +169,44 @@ def hf_thinker_cells(cfg: MeshConfig, device: str, args):
                    "step_ms": 1000 * (last - first) / steps}
 
 
-def talker_cells(cfg: MeshConfig, device: str, args):
-    from transformers import AutoTokenizer
+class TalkerFeed:
+    """Speech requests for a talker engine, fed synthetic thinker states: a chat prompt of `prompt_bytes`
+    ASCII bytes, then every state up front (one text token per frame: the text stays ahead of the speech)."""
 
-    from services.talker.server import make_engine
-    from services.talker.speech import TalkerSeq
+    def __init__(self, engine, cfg: MeshConfig, seed: int, prompt_bytes: int):
+        from transformers import AutoTokenizer
 
-    engine = make_engine(cfg, device)  # the config's engine: reference or native
-    spec, dev = engine.spec, engine.device
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": ascii_prompt(args.seed, args.talker_prompt_bytes)}],
-                                        add_generation_prompt=True, tokenize=True)
-    ids = torch.tensor(ids if isinstance(ids, list) else ids["input_ids"], dtype=torch.long)
-    hidden = spec.thinker_hidden
-    gen = torch.Generator().manual_seed(args.seed)
+        self.engine, self.spec = engine, engine.spec
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": ascii_prompt(seed, prompt_bytes)}],
+                                            add_generation_prompt=True, tokenize=True)
+        self.ids = torch.tensor(ids if isinstance(ids, list) else ids["input_ids"], dtype=torch.long)
+        self.gen = torch.Generator().manual_seed(seed)
 
-    def batch(b: int, frames: int) -> list:
-        seqs = []
+    def batch(self, b: int, frames: int) -> list:
+        from services.talker.speech import TalkerSeq
+
+        hidden, seqs = self.spec.thinker_hidden, []
         for i in range(b):
-            # Thinker states for the prompt and one text token per frame: the text stays ahead of the speech.
-            n = len(ids) + 1 + frames
-            states = (torch.randn(n, hidden, generator=gen) / hidden**0.5, torch.randn(n, hidden, generator=gen))
-            seq = TalkerSeq(f"bench-{i}", ids, Layout(), spec.voices[spec.default_voice],
+            n = len(self.ids) + 1 + frames
+            states = (torch.randn(n, hidden, generator=self.gen) / hidden**0.5, torch.randn(n, hidden, generator=self.gen))
+            seq = TalkerSeq(f"bench-{i}", self.ids, Layout(), self.spec.voices[self.spec.default_voice],
                             SamplingParams(max_tokens=frames, seed=i + 1, **TALKER_SAMPLING),
-                            tts_embeds=torch.randn(3, hidden, generator=gen) / hidden**0.5)
+                            tts_embeds=torch.randn(3, hidden, generator=self.gen) / hidden**0.5)
             seq.inbox.append(states)
             seq.text_ended = True
-            engine.add(seq)
+            self.engine.add(seq)
             seqs.append(seq)
         return seqs
+
+
+def talker_cells(cfg: MeshConfig, device: str, args):
+    from services.talker.server import make_engine
+
+    engine = make_engine(cfg, device)  # the config's engine: reference or native
+    dev = engine.device
+    feed = TalkerFeed(engine, cfg, args.seed, args.talker_prompt_bytes)
+    batch = feed.batch
 
     def run(seqs) -> list[float]:
         walls = []

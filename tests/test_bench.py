@@ -184,6 +184,17 @@ def test_stage_benchmarks(bench_dir):
     assert report.main([str(out)])[0].read_text().count("## ") == 5
 
 
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_step_profiles(bench_dir, stage, capsys):
+    """bench.profile_step prints the host's profile and torch.profiler's table for a stage's steps (native engines)."""
+    from bench import profile_step
+
+    profile_step.main(["--config", str(bench_dir / "mesh.yaml"), "--stage", stage, "--batch", "2", "--prompt-len", "8",
+                       "--steps", "2", "--rows", "5", "--set", f"{stage}.engine=native"])
+    out = capsys.readouterr().out
+    assert "function calls" in out and "Self CPU" in out, out[-2000:]
+
+
 def test_client_ceiling():
     cells = ceiling.main(["--concurrency", "1,4", "--tokens", "16", "--chunks", "2", "--server-procs", "1"])
     assert [c["concurrency"] for c in cells] == [1, 4]
