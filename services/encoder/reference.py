@@ -21,6 +21,7 @@ class Item:
 class Encoded:
     embeds: torch.Tensor  # [tokens, H]
     deepstack: list[torch.Tensor] = field(default_factory=list)
+    ready: object = None  # a CUDA event recorded after the step that made them (None on the CPU)
 
 
 @dataclass
@@ -64,12 +65,19 @@ class ReferenceEncoder:
     @torch.no_grad()
     def step(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:
         if self.batch:
-            return self._step_batched(jobs)
-        out = []
-        for job in jobs:
-            t0 = time.perf_counter()
-            out.append((job, [self._encode(item) for item in job.items]))
-            job.done, job.seconds = True, time.perf_counter() - t0
+            out = self._step_batched(jobs)
+        else:
+            out = []
+            for job in jobs:
+                t0 = time.perf_counter()
+                out.append((job, [self._encode(item) for item in job.items]))
+                job.done, job.seconds = True, time.perf_counter() - t0
+        if self.device.type == "cuda":  # the transport copies them once this is reached, not after later steps
+            ready = torch.cuda.Event()
+            ready.record()
+            for _, encoded in out:
+                for e in encoded:
+                    e.ready = ready
         return out
 
     def _step_batched(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:

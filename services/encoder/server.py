@@ -32,8 +32,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         reply = encoder_pb2.EncodeResponse(timings=timings(encode=job.seconds))
         for item, enc in zip(request.items, encoded):
             reply.items.append(encoder_pb2.Embedding(
-                kind=item.kind, embeds=self.transport.put(enc.embeds, request.placement),
-                deepstack=[self.transport.put(d, request.placement) for d in enc.deepstack],
+                kind=item.kind, embeds=self.transport.put(enc.embeds, request.placement, enc.ready),
+                deepstack=[self.transport.put(d, request.placement, enc.ready) for d in enc.deepstack],
             ))
         return reply
 
