@@ -49,7 +49,8 @@ def hf_model(tiny_model):
     return load_hf(tiny_model)
 
 
-def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bool = True, **overrides) -> Path:
+def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bool = True, thinkers: int = 1,
+                 **overrides) -> Path:
     ports = iter(free_ports(32))
 
     def replicas(n, **extra):
@@ -58,6 +59,9 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bo
     enc = replicas(encoders)
     if encoders == 2:
         enc[0]["prefer_for"], enc[1]["prefer_for"] = ["text"], ["audio"]
+    think = replicas(thinkers)
+    if thinkers == 2:
+        think[0]["prefer_for"], think[1]["prefer_for"] = ["text"], ["audio"]
     cfg = {
         "model": {"path": str(model_dir), "dtype": "float32", "name": "tiny"},
         "limits": {"max_request_bytes": 4 << 20, "max_media_items": 4, "max_image_pixels": 1 << 20,
@@ -67,7 +71,7 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bo
         "gateway": {"replicas": replicas(1)},
         "preprocess": {"replicas": replicas(1)},
         "encoder": {"replicas": enc},
-        "thinker": {"replicas": replicas(1)},
+        "thinker": {"replicas": think},
         "talker": {"replicas": replicas(1) if with_talker else [], "first_chunk_frames": 4, "chunk_frames": 8},
     }
     for key, value in overrides.items():

@@ -77,7 +77,8 @@ class Gateway:
         self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub, poll_s=poll)
         self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub,
                                by_modality=cfg.gateway.encoder_routing == "modality", poll_s=poll)
-        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub, poll_s=poll)
+        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub,
+                               by_modality=cfg.gateway.thinker_routing == "modality", poll_s=poll)
         has_talker = bool(cfg.talker.replicas) and self.spec.has_talker
         self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub, poll_s=poll) if has_talker else None
         self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions
@@ -107,7 +108,7 @@ class Gateway:
         g = self.cfg.gateway
         r = resolve(req, self.spec, self.cfg.limits, g.thinker, g.talker, self.talkers is not None, self.prompts.check_text)
         rid = req.request_id or uuid.uuid4().hex
-        thinker_ep = self.thinkers.pick()
+        thinker_ep = self.thinkers.pick("audio" if r.want_audio else "text")
         talker_ep = self.talkers.pick() if r.want_audio else None
         spans, prompt = await self._prompt(rid, r, thinker_ep, progress)
         treq = thinker_pb2.ThinkerRequest(

@@ -22,7 +22,7 @@ class Replica:
     device: str = "cpu"
     # Replicas with the same domain share /dev/shm (one host, one IPC namespace) and hand tensors over by reference.
     shm_domain: str = "local"
-    # Output modalities whose requests this replica is preferred for (encoder routing).
+    # Output modalities whose requests this replica is preferred for (encoder and thinker routing).
     prefer_for: list[Literal["text", "audio"]] = field(default_factory=list)
 
     @property
@@ -93,8 +93,10 @@ class GatewayConfig:
     talker: SamplingDefaults = field(
         default_factory=lambda: SamplingDefaults(temperature=0.9, top_p=1.0, top_k=50, max_tokens=4096, repetition_penalty=1.05)
     )
-    # encoder routing: by the request's output modality then load, or by load alone.
+    # encoder and thinker routing: by the request's output modality (replicas' prefer_for) then load, or by
+    # load alone. Replicas without prefer_for are routed by load either way.
     encoder_routing: Literal["modality", "least_loaded"] = "modality"
+    thinker_routing: Literal["modality", "least_loaded"] = "modality"
     # How often the gateway asks each replica of a stage with several for its load (every caller's work);
     # 0: it counts only its own calls in flight.
     load_poll_ms: int = 100
