@@ -20,9 +20,11 @@ def base():
 
 
 def test_shipped_configs_load():
-    for name in ("local.yaml", "2xh200.yaml"):
-        cfg = load_config(ROOT / "configs" / name)
-        assert cfg.thinker.replicas and cfg.gateway.replicas
+    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    assert {"local.yaml", "2xh200.yaml", "bench-2xh200.yaml"} <= {p.name for p in paths}
+    for path in paths:
+        cfg = load_config(path)
+        assert cfg.thinker.replicas and cfg.gateway.replicas, path.name
 
 
 @pytest.mark.parametrize("change, message", [
