@@ -77,6 +77,9 @@ def main(argv=None):
     ways = {  # name: (module, experts backend, bytes per weight)
         "bf16_grouped": (experts, "grouped", 2), "bf16_triton": (experts, "triton", 2),
         "fp8_grouped": (channel, "grouped", 1), "fp8_triton": (channel, "triton", 1), "fp8block_triton": (block, "triton", 1),
+        # e4m3 activations too (per token and 128 channels, in the kernels), fp8 tensor cores
+        "fp8a8_triton": (Fp8Experts(experts, None, activations=True), "triton", 1),
+        "fp8blocka8_triton": (Fp8Experts(experts, 128, activations=True), "triton", 1),
     }
     result = results.new_result("moe", {"experts": tc.num_experts, "top_k": tc.num_experts_per_tok, "hidden": tc.hidden_size,
                                         "intermediate": tc.moe_intermediate_size}, {}, {"args": vars(args)})
@@ -94,8 +97,8 @@ def main(argv=None):
             with step_context(None, "grouped"):
                 ref = experts(x, ids, w).float()
             for name, (module, backend, width) in ways.items():
-                if backend == "triton" and n > 2 * triton_moe.MAX_TOKENS and module is not block:
-                    continue  # the engine runs the grouped GEMM there
+                if backend == "triton" and n > 2 * triton_moe.MAX_TOKENS and name != "fp8block_triton":
+                    continue  # the engine runs the grouped GEMM there (tile-scaled experts: dequantised tiles)
                 with step_context(None, backend):
                     out = module(x, ids, w).float()
                     ms = graph_ms(lambda: module(x, ids, w), args.iters)

@@ -64,3 +64,12 @@ def test_overrides_apply_on_top_of_the_file_and_are_checked(tmp_path):
         load_config(path, ["thinker.cuda_graph_max_batch=many"])
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(path, ["thinker.engine"])
+
+
+def test_fp8_activations_need_fp8_experts(tmp_path):
+    c = base()
+    c["thinker"]["fp8_activations"] = True
+    with pytest.raises(ConfigError, match="thinker.fp8_activations needs fp8 experts"):
+        load_config(write(tmp_path, c))
+    c["thinker"]["fp8_experts"] = "channel"
+    assert load_config(write(tmp_path, c)).thinker.native_args["fp8_activations"] is True

@@ -191,9 +191,10 @@ def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
 
 
 def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
-    """moe: triton's experts (bf16, fp8 per channel, fp8 per 128 x 128 tile) on a layer's real activations, at
-    decode-sized token counts (the Triton kernels) and a prefill-sized one, against the bf16 grouped GEMM;
-    replayed from a graph as run eagerly (up to index_add_'s atomic order where the grouped GEMM runs)."""
+    """moe: triton's experts (bf16, fp8 per channel, fp8 per 128 x 128 tile, with bf16 or e4m3 activations) on a
+    layer's real activations, at decode-sized token counts (the Triton kernels) and a prefill-sized one, against
+    the bf16 grouped GEMM; replayed from a graph as run eagerly (up to index_add_'s atomic order where the grouped
+    GEMM runs)."""
     from services.llm.context import step_context
     from services.llm.fp8 import Fp8Experts
 
@@ -202,7 +203,10 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
     inputs = mlp_inputs(engine, hf, layer, 300, seed=4)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     ways = {"bf16": (layer.experts, 0.01), "fp8-channel": (Fp8Experts(layer.experts, None), 0.08),
-            "fp8-block": (Fp8Experts(layer.experts, 128), 0.08)}
+            "fp8-block": (Fp8Experts(layer.experts, 128), 0.08),
+            # e4m3 activations too, per token and 128 channels: about what per-token fp8 costs the grouped GEMM
+            "fp8-channel-a8": (Fp8Experts(layer.experts, None, activations=True), 0.1),
+            "fp8-block-a8": (Fp8Experts(layer.experts, 128, activations=True), 0.1)}
     for n in (1, 8, 64, 300):  # 300: a prefill-sized step (grouped GEMM; 128 x 128 tiles dequantised for it)
         x = inputs[:n].clone()
         probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)

@@ -1,6 +1,7 @@
 """The experts' Triton kernels (services/llm/triton_moe.py) run here in Triton's CPU interpreter, in a child
 process (the interpreter is chosen when the kernels are defined): bf16 and fp8 experts (per-channel and
-128 x 128 tile scales) against the loop over experts on the same, dequantised, weights; the routing kernel
+128 x 128 tile scales; bf16 activations, or e4m3 activations scaled per row and 128 channels) against the
+loop over experts on the same, dequantised, weights and equally quantised activations; the routing kernel
 against layers.route."""
 
 import json
@@ -21,6 +22,22 @@ from services.llm import fp8, layers, moe, triton_moe
 torch.manual_seed(0)
 E, H, I, K = 8, 256, 128, 3  # the kernels' tiles: 64 channels by 128 of the reduction
 out = {}
+
+
+def a8_loop(x, ids, w, gate_up, down):
+    # The loop over experts with each projection's input quantised to e4m3 per row and 128 channels, and
+    # silu(gate) * up rounded to x's dtype between them, as the kernels store it.
+    y = torch.zeros(x.shape[0], down.shape[1])
+    xq = fp8.fake_quant_groups(x)
+    for e in range(gate_up.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if len(tok):
+            gate, up = (xq[tok] @ gate_up[e].T).chunk(2, dim=-1)
+            act = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+            y.index_add_(0, tok, fp8.fake_quant_groups(act) @ down[e].T * w[tok, slot, None].float())
+    return y
+
+
 for t in (1, 5, 17, 40):  # one token; under one tile of rows; over it; a second tile shape (BLOCK_M 32, two blocks)
     x = torch.randn(t, H).to(torch.bfloat16)
     w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)  # distinct experts per token, as a router gives
@@ -36,6 +53,9 @@ for t in (1, 5, 17, 40):  # one token; under one tile of rows; over it; a second
         (gq, gs), (dq, ds) = fp8.quantize(gate_up, block), fp8.quantize(down, block)
         ref = moe.loop(x.float(), ids, w.float(), fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
         out[f"fp8-{block or 'channel'}/{t}"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds, block), ref)
+        ref = a8_loop(x, ids, w, fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
+        got = triton_moe.experts(x, ids, w, gq, dq, gs, ds, block, fp8_activations=True)
+        out[f"fp8-{block or 'channel'}-a8/{t}"] = rel(got, ref)
 for t, k, norm in ((1, 8, True), (7, 6, False), (40, 8, True)):  # the thinker's top-8 and the talker's top-6
     x = torch.randn(t, H).to(torch.bfloat16)
     gate = (torch.randn(128, H) * 0.05).to(torch.bfloat16)
@@ -62,9 +82,12 @@ def test_triton_experts_equal_the_loop_over_experts():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
-    assert len(out) == 16 and len(routes) == 3
+    assert len(out) == 24 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
-    assert all(v < 1e-2 for v in out.values()), out
+    assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out
+    # e4m3 activations: each projection alone matches to float32 rounding, but a bf16 rounding of silu(gate) * up
+    # that differs moves the down projection's input by a whole e4m3 step where it sits at a rounding tie.
+    assert all(v < 3e-2 for name, v in out.items() if "a8" in name), out
     for name, r in routes.items():
         assert r["distinct"] and r["a_top_k"] and r["dtypes"] == ["torch.int64", "torch.bfloat16"], (name, r)
         assert r["weights"] <= 2 ** -7, (name, r)  # bf16 roundings of (near) equal weights

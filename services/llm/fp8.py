@@ -48,6 +48,20 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).to(FP8), scale
 
 
+def quantize_groups(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (fp8 [T, K], scales [T, K / group]): one scale per token and `group` channels, what the
+    Triton experts do to their inputs with fp8 activations."""
+    t, k = x.shape
+    g = x.float().reshape(t, k // group, group)
+    scale = g.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    return (g / scale[..., None]).to(FP8).reshape(t, k), scale
+
+
+def fake_quant_groups(x: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:
+    q, s = quantize_groups(x, group)
+    return (q.float().reshape(*s.shape, group) * s[..., None]).reshape(x.shape)
+
+
 def fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
     q, s = quantize_tokens(x)
     return q.float() * s
@@ -56,11 +70,14 @@ def fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
 class Fp8Experts(nn.Module):
     """The experts of one layer in fp8, with their scales; same call as `Experts`."""
 
-    def __init__(self, experts: Experts, block: int | None, stored: tuple[torch.Tensor, ...] | None = None):
+    def __init__(self, experts: Experts, block: int | None, stored: tuple[torch.Tensor, ...] | None = None,
+                 activations: bool = False):
         """Quantises `experts`; or, with `stored` (gate_up, its scales, down, its scales: a block-fp8
-        checkpoint's own values, services.model.load.read_fp8_experts), takes those as they are."""
+        checkpoint's own values, services.model.load.read_fp8_experts), takes those as they are. With
+        `activations`, decode steps through the Triton kernels quantise the experts' inputs to e4m3 too (per
+        token and 128 channels) and multiply on fp8 tensor cores."""
         super().__init__()
-        self.block = block
+        self.block, self.activations = block, activations
         for i, name in enumerate(("gate_up_proj", "down_proj")):
             weight = getattr(experts, name)
             if stored is None:
@@ -76,7 +93,7 @@ class Fp8Experts(nn.Module):
         backend = get_context().moe_backend
         if x.is_cuda and backend == "triton" and x.shape[0] <= triton_moe.MAX_TOKENS:
             return triton_moe.experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
-                                      self.down_proj_scale, self.block, residual)
+                                      self.down_proj_scale, self.block, residual, self.activations)
         if x.is_cuda and backend in ("grouped", "triton") and self.block is None:
             out = self.grouped(x, ids, weights)
         elif x.is_cuda and backend == "triton":  # a long step (prefill): every expert's tiles dequantised once, bf16 grouped GEMM
@@ -118,7 +135,7 @@ def fp8_layout(fp8_experts: str, model_dir, load_format: str, component: str) ->
     return tile, read_fp8_experts(model_dir, component, tile)
 
 
-def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict | None = None) -> int:
+def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict | None = None, activations: bool = False) -> int:
     """Swaps every experts module of `model` for its fp8 version, in place; returns how many it swapped.
     `stored` (read_fp8_experts of a checkpoint in `block` tiles, by experts-module name) gives the values of
     those it covers as the checkpoint has them, not quantised again."""
@@ -126,7 +143,7 @@ def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict |
     for name, module in list(model.named_modules()):
         if isinstance(getattr(module, "experts", None), Experts):
             key = f"{name}.experts" if name else "experts"
-            module.experts = Fp8Experts(module.experts, block, (stored or {}).get(key))
+            module.experts = Fp8Experts(module.experts, block, (stored or {}).get(key), activations)
             swapped += 1
     return swapped
 

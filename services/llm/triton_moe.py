@@ -14,8 +14,10 @@ output channels, and streams that slice of the expert's weights once:
 
 Before them `route` does the router's work (logits, softmax, top-k, renormalisation) in one kernel.
 
-Weights are bf16, or fp8 (e4m3) with per-channel or 128 x 128 tile scales dequantised in the kernel
-(activations stay bf16: fp8 here only halves the bytes read, which is what a decode step waits on).
+Weights are bf16, or fp8 (e4m3) with per-channel or 128 x 128 tile scales: dequantised in the kernel
+(activations stay bf16: fp8 then only halves the bytes read, which is what a decode step waits on), or,
+with fp8 activations, multiplied as e4m3 on the tensor cores against activations the kernels quantise per
+row and 128 channels as they load them (no weight converted, scales applied per 128 of the reduction).
 The grid depends only on the token count, so a captured graph replays it for any routing.
 """
 
@@ -53,10 +55,26 @@ if triton is not None:
         return rows, slot < count, block * BLOCK_M < count
 
     @triton.jit
+    def _quantize_rows(a, GRID_ROUND: tl.constexpr):
+        """A [rows, 128] tile of activations in e4m3, one scale per row (a zero row keeps a tiny one):
+        the same numbers as fp8.quantize_groups gives for those 128 channels. The GPU's conversion rounds
+        to nearest even; Triton's CPU interpreter (the tests) does not where rounding carries into the next
+        binade, so there (GRID_ROUND) each value is first rounded onto e4m3's grid in float32 and the
+        conversion only has exact values left to convert."""
+        a = a.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
+        v = a / scale[:, None]
+        if GRID_ROUND:
+            binade = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0)  # subnormals below 2^-6
+            step = tl.exp2(binade - 3.0)  # three mantissa bits
+            v = (v / step + 12582912.0 - 12582912.0) * step  # 1.5 * 2^23: float32 addition rounds to an integer, ties to even
+        return v.to(tl.float8e4nv), scale
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, R, H: tl.constexpr, I: tl.constexpr,
                         K_ROUTED: tl.constexpr, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-                        SCALE: tl.constexpr, DOT: tl.constexpr, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
+                        M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         e = tl.program_id(0) // M_BLOCKS
         rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
         if any_rows:
@@ -69,17 +87,27 @@ if triton is not None:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, H, BLOCK_K):
-                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
-                g = tl.load(g_ptrs).to(DOT)
-                u = tl.load(u_ptrs).to(DOT)
-                if SCALE == 2:  # one scale per 128 x 128 tile: BLOCK_N and BLOCK_K divide 128
-                    s_g = tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)
-                    s_u = tl.load(s_ptr + e * stride_se + ((offs_n + I) // 128) * stride_sn + kk // 128)
-                    acc_g += tl.dot(a, tl.trans(g)) * s_g[None, :]
-                    acc_u += tl.dot(a, tl.trans(u)) * s_u[None, :]
+                if A8 > 0:  # fp8 x fp8 on the tensor cores: the rows quantised per 128 channels, here
+                    a, s_a = _quantize_rows(tl.load(a_ptrs, mask=m_mask[:, None], other=0.0), A8 == 2)
+                    pg = tl.dot(a, tl.trans(tl.load(g_ptrs)), out_dtype=tl.float32) * s_a[:, None]
+                    pu = tl.dot(a, tl.trans(tl.load(u_ptrs)), out_dtype=tl.float32) * s_a[:, None]
+                    if SCALE == 2:
+                        pg *= tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)[None, :]
+                        pu *= tl.load(s_ptr + e * stride_se + ((offs_n + I) // 128) * stride_sn + kk // 128)[None, :]
+                    acc_g += pg
+                    acc_u += pu
                 else:
-                    acc_g = tl.dot(a, tl.trans(g), acc_g)
-                    acc_u = tl.dot(a, tl.trans(u), acc_u)
+                    a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
+                    g = tl.load(g_ptrs).to(DOT)
+                    u = tl.load(u_ptrs).to(DOT)
+                    if SCALE == 2:  # one scale per 128 x 128 tile: BLOCK_N and BLOCK_K divide 128
+                        s_g = tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)
+                        s_u = tl.load(s_ptr + e * stride_se + ((offs_n + I) // 128) * stride_sn + kk // 128)
+                        acc_g += tl.dot(a, tl.trans(g)) * s_g[None, :]
+                        acc_u += tl.dot(a, tl.trans(u)) * s_u[None, :]
+                    else:
+                        acc_g = tl.dot(a, tl.trans(g), acc_g)
+                        acc_u = tl.dot(a, tl.trans(u), acc_u)
                 a_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
                 u_ptrs += BLOCK_K
@@ -93,8 +121,8 @@ if triton is not None:
     @triton.jit
     def _down_kernel(a_ptr, w_ptr, s_ptr, ids_ptr, route_w_ptr, out_ptr, R, I: tl.constexpr,
                      stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-                     SCALE: tl.constexpr, DOT: tl.constexpr, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
+                     M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         e = tl.program_id(0) // M_BLOCKS
         rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
         if any_rows:
@@ -104,13 +132,20 @@ if triton is not None:
             w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, I, BLOCK_K):
-                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
-                w = tl.load(w_ptrs).to(DOT)
-                if SCALE == 2:
-                    s = tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)
-                    acc += tl.dot(a, tl.trans(w)) * s[None, :]
+                if A8 > 0:
+                    a, s_a = _quantize_rows(tl.load(a_ptrs, mask=m_mask[:, None], other=0.0), A8 == 2)
+                    p = tl.dot(a, tl.trans(tl.load(w_ptrs)), out_dtype=tl.float32) * s_a[:, None]
+                    if SCALE == 2:
+                        p *= tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)[None, :]
+                    acc += p
                 else:
-                    acc = tl.dot(a, tl.trans(w), acc)
+                    a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
+                    w = tl.load(w_ptrs).to(DOT)
+                    if SCALE == 2:
+                        s = tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)
+                        acc += tl.dot(a, tl.trans(w)) * s[None, :]
+                    else:
+                        acc = tl.dot(a, tl.trans(w), acc)
                 a_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
             if SCALE == 1:
@@ -177,10 +212,12 @@ def _tiles(tokens: int, fp8: bool = False) -> dict:
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-            block: int | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+            block: int | None = None, residual: torch.Tensor | None = None, fp8_activations: bool = False) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] (bf16, or fp8 with `*_scale`:
     [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype, plus
-    `residual` [T, H] when given (added in float32 before the one rounding)."""
+    `residual` [T, H] when given (added in float32 before the one rounding). With fp8 weights and
+    `fp8_activations`, both projections' inputs are quantised to e4m3 per row and 128 channels inside the
+    kernels and the products run on fp8 tensor cores (no weight converted to bf16)."""
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
@@ -189,8 +226,12 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     scale = SCALE_NONE if gate_up_scale is None else (SCALE_CHANNEL if block is None else SCALE_BLOCK)
     if scale == SCALE_BLOCK and block != 128:
         raise ValueError(f"tile scales of {block} x {block}: the kernels read 128 x 128 tiles")
+    if fp8_activations and (scale == SCALE_NONE or gate_up.dtype != torch.float8_e4m3fn):
+        raise ValueError("fp8 activations need e4m3 expert weights with their scales")
     cfg = _tiles(t, scale != SCALE_NONE)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if fp8_activations and bk != 128:
+        raise ValueError(f"fp8 activations are scaled per 128 channels: the kernels' K tile is {bk}")
     if h % bk or i % bk or i % bn or h % bn or h % COMBINE_BLOCK:
         raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
     x, flat_ids = x.contiguous(), ids.reshape(-1).contiguous()
@@ -204,7 +245,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     sd = down_scale if down_scale is not None else act
     su_n = su.stride(1) if su.dim() == 3 else 0
     sd_n = sd.stride(1) if sd.dim() == 3 else 0
-    common = dict(SCALE=scale, DOT=dot, R_PAD=r_pad, M_BLOCKS=m_blocks, **cfg)
+    # A8: 0 bf16 activations; 1 e4m3 ones; 2 e4m3 ones rounded onto the grid first (the interpreter's conversion)
+    a8 = 0 if not fp8_activations else (2 if dot == tl.float32 else 1)
+    common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=r_pad, M_BLOCKS=m_blocks, **cfg)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
         _gate_up_kernel[(n_exp * m_blocks, i // bn)](
             x, gate_up, su, flat_ids, act, r, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),

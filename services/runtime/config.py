@@ -141,6 +141,9 @@ class LMStageConfig:
     # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile (from a block-fp8 checkpoint: its
     # own tiles and values); off: the model's dtype (a block-fp8 checkpoint is then dequantised at load).
     fp8_experts: Literal["off", "channel", "block"] = "off"
+    # With fp8 experts: decode steps' expert inputs in e4m3 too (per token and 128 channels, quantised inside the
+    # Triton kernels), multiplied on fp8 tensor cores; off: bf16 inputs, the weights converted as they load.
+    fp8_activations: bool = False
     # Attention kernels: flashinfer (GPU, 16-bit), PyTorch's SDPA (anywhere), or auto: flashinfer where it can run.
     attention: Literal["auto", "torch", "flashinfer"] = "auto"
     # Decode steps of up to this many sequences replay CUDA graphs (flashinfer attention, grouped or triton
@@ -152,7 +155,8 @@ class LMStageConfig:
     @property
     def native_args(self) -> dict:
         return dict(block_size=self.block_size, kv_blocks=self.kv_blocks, max_batched_tokens=self.max_batched_tokens,
-                    max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts, attention=self.attention,
+                    max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts,
+                    fp8_activations=self.fp8_activations, attention=self.attention,
                     cuda_graph_max_batch=self.cuda_graph_max_batch, compile=self.compile)
 
 
@@ -215,6 +219,9 @@ class MeshConfig:
         for stage in ("encoder", "thinker", "talker"):
             if not getattr(self, stage).switch_interval_ms > 0:
                 raise ConfigError(f"{stage}.switch_interval_ms must be positive")
+        for stage in ("thinker", "talker"):
+            if getattr(self, stage).fp8_activations and getattr(self, stage).fp8_experts == "off":
+                raise ConfigError(f"{stage}.fp8_activations needs fp8 experts ({stage}.fp8_experts: channel or block)")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self

@@ -44,8 +44,8 @@ class NativeTalker(SpeechEngine):
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
-                 fp8_experts: str = "off", attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False,
-                 code2wav_graphs: bool = True):
+                 fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
+                 compile: bool = False, code2wav_graphs: bool = True):
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -53,7 +53,8 @@ class NativeTalker(SpeechEngine):
             talker = TalkerModel(config.talker_config)
         load_weights_(talker, "talker", model_dir, dtype, load_format, seed)
         if fp8_experts != "off":
-            quantize_experts_(talker, *fp8_layout(fp8_experts, model_dir, load_format, "talker"))
+            quantize_experts_(talker, *fp8_layout(fp8_experts, model_dir, load_format, "talker"),
+                              activations=fp8_activations)
         talker.to(device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
         fuse_projections_(talker)
         super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames))

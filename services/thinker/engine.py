@@ -56,8 +56,8 @@ class ThinkerState(SeqState):
 class NativeThinker:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
-                 max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", attention: str = "auto",
-                 cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False):
+                 max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", fp8_activations: bool = False,
+                 attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
         self.overlapped = 0  # steps launched before the previous one's tokens were read
@@ -68,7 +68,8 @@ class NativeThinker:
             self.model = ThinkerModel(config.thinker_config)
         load_weights_(self.model, "thinker", model_dir, dtype, load_format, seed)
         if fp8_experts != "off":
-            quantize_experts_(self.model, *fp8_layout(fp8_experts, model_dir, load_format, "thinker"))
+            quantize_experts_(self.model, *fp8_layout(fp8_experts, model_dir, load_format, "thinker"),
+                              activations=fp8_activations)
         self.model.to(self.device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
         fuse_projections_(self.model)
         spec = OmniSpec.load(model_dir)
