@@ -231,6 +231,28 @@ def test_a_sweep_runs_in_parts(bench_dir):
     assert results.read(out) == both
 
 
+def test_parts_run_side_by_side_merge_into_one_file(bench_dir):
+    """bench.merge joins files of one sweep's parts run at the same time (say one per GPU) with --resume's checks:
+    their cells and run records kept; parts that measure something else, or the same cell twice, refused."""
+    from bench import merge
+
+    args = ["--config", str(bench_dir / "mesh.yaml"), "--engine", "hf", "--device", "cpu", "--concurrency", "1",
+            "--min-requests", "1", "--requests-per-slot", "1", "--prompt-bytes", "16", "--frames", "2"]
+    text, speech, longer = (bench_dir / f"side-{n}.json" for n in ("text", "speech", "longer"))
+    bench_run.main([*args, "--max-tokens", "3", "--workloads", "t2t", "--out", str(text)])
+    bench_run.main([*args, "--max-tokens", "3", "--workloads", "t2s", "--out", str(speech)])
+    bench_run.main([*args, "--max-tokens", "4", "--workloads", "i2t", "--out", str(longer)])
+    out = bench_dir / "side-merged.json"
+    merged = merge.main([str(text), str(speech), "--out", str(out)])
+    assert results.read(out) == merged
+    assert [(c["workload"], c["status"]) for c in merged["cells"]] == [("t2t", "ok"), ("t2s", "ok")]
+    assert [p["args"]["workloads"] for p in merged["parts"]] == ["t2t"] and merged["run"]["args"]["workloads"] == "t2s"
+    with pytest.raises(SystemExit, match="max_tokens"):
+        merge.main([str(text), str(longer), "--out", str(bench_dir / "none.json")])
+    with pytest.raises(SystemExit, match="more than one file"):
+        merge.main([str(text), str(out), "--out", str(bench_dir / "none.json")])
+
+
 def test_a_mesh_started_apart(bench_dir, mesh):
     """--address drives a mesh started on its own (services.launch, kept up between parts of a sweep);
     --wait-ready waits for every replica of the config to serve (not the gateway alone, which serves before
