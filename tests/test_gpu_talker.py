@@ -99,3 +99,28 @@ def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):
         err = ((replayed - eager).norm() / eager.norm()).item()
         print(f"code2wav {frames} frames, graph (batch 4) against eager (batch 3): relative L2 {err:.2e}")
         assert err < 1e-2
+
+
+def test_compiled_predictor_sampling_draws_what_eager_draws():
+    """The code predictor's draw as `compile: true` runs it (sample_tensors compiled) against eager, greedy and
+    seeded rows (the hashed noise leaves nothing to a generator), as one batch and replayed from a graph."""
+    from services.llm.sampling import sample_tensors
+
+    compiled = torch.compile(sample_tensors, dynamic=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, vocab = 24, 2048
+    logits = torch.randn(b, vocab, device="cuda", generator=g).to(torch.bfloat16) * 3
+    temps = torch.tensor([0.0, 1.0, 0.7] * 8, device="cuda")
+    top_k = torch.tensor([50, 50, 20] * 8, device="cuda")
+    top_p = torch.tensor([1.0, 0.8, 0.95] * 8, device="cuda")
+    seeds = torch.arange(1, b + 1, device="cuda") * 7919
+    counters = torch.arange(b, device="cuda") * 15
+    eager = sample_tensors(logits, temps, top_k, top_p, seeds, counters, 50)
+    assert torch.equal(compiled(logits, temps, top_k, top_p, seeds, counters, 50), eager)
+    with torch.no_grad():
+        compiled(logits[:8], temps[:8], top_k[:8], top_p[:8], seeds[:8], counters[:8], 50)  # another batch size: no recompile
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(logits, temps, top_k, top_p, seeds, counters, 50)
+        graph.replay()
+    assert torch.equal(out, eager)

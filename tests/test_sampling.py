@@ -104,3 +104,17 @@ def test_tensor_settings_draw_what_sample_batch_draws():
         got = sample_tensors(logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.top_k for p in params]),
                              torch.tensor([p.top_p for p in params]), torch.tensor([p.seed for p in params]), torch.tensor(c), 50)
         assert got.tolist() == expected.tolist()
+
+
+def test_compiled_tensor_settings_draw_what_eager_draws():
+    """sample_tensors as `compile: true` runs it in the code predictor (layers.fuse compiles it, shapes dynamic):
+    the same tokens as eager for greedy and seeded rows, at two batch sizes."""
+    from services.llm.sampling import sample_tensors
+
+    compiled = torch.compile(sample_tensors, dynamic=True)
+    logits = (torch.randn(24, 512, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    temps, top_k, top_p = torch.tensor([0.0, 1.0, 0.7] * 8), torch.tensor([50, 50, 20] * 8), torch.tensor([1.0, 0.8, 0.95] * 8)
+    seeds, counters = torch.arange(1, 25) * 7919, torch.arange(24) * 15
+    for b in (24, 8):
+        args = (logits[:b], temps[:b], top_k[:b], top_p[:b], seeds[:b], counters[:b], 50)
+        assert torch.equal(compiled(*args), sample_tensors(*args))

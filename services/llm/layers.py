@@ -126,17 +126,20 @@ OPS = {"pre_attention": pre_attention, "post_attention": post_attention, "route"
 
 
 def fuse(enabled: bool = True) -> None:
-    """Compiles the layers' tensor functions (and the grouped experts) once per process, shapes dynamic: a
-    step's tens of small kernels per layer become a few. Attention kernels and the KV writes stay outside."""
+    """Compiles the layers' tensor functions (and the grouped experts, and the code predictor's sampling) once
+    per process, shapes dynamic: a step's tens of small kernels per layer become a few. Attention kernels and
+    the KV writes stay outside."""
     import torch._inductor.config as inductor
 
-    from services.llm import fp8, moe
+    from services.llm import fp8, moe, sampling
 
     inductor.emulate_precision_casts = True  # round where eager rounds (to bf16 between ops): the same numbers
     for name, fn in (("pre_attention", pre_attention), ("post_attention", post_attention), ("route", route)):
         OPS[name] = torch.compile(fn, dynamic=True) if enabled else fn
     moe.OPS["grouped"] = torch.compile(moe.grouped, dynamic=True) if enabled else moe.grouped
     fp8.OPS["grouped"] = torch.compile(fp8.grouped, dynamic=True) if enabled else fp8.grouped
+    # The code predictor's draw, 15 times a frame inside its graph: the seed hash and the race fused.
+    sampling.OPS["sample_tensors"] = torch.compile(sampling.sample_tensors, dynamic=True) if enabled else sampling.sample_tensors
 
 
 class Router(nn.Module):

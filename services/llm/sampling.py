@@ -104,6 +104,9 @@ def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tenso
     return torch.where(temps > 0, _race(probs, order, noise), logits.argmax(-1))
 
 
+OPS = {"sample_tensors": sample_tensors}  # services.llm.layers.fuse() compiles it: its thirty small kernels become a few
+
+
 def _candidates(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int):
     """Each row's best `k` tokens by logit / temperature and the probability of drawing each: zero past the
     row's own top_k and outside the smallest head holding top_p. -> (probs [B, k], token ids [B, k])."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.llm import sampling
 from services.llm.attention import DenseAttention, SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import fp8_layout, quantize_experts_
 from services.llm.host import upload, upload_into
@@ -15,7 +16,7 @@ from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
-from services.llm.sampling import SamplingParams, sample_batch, sample_tensors
+from services.llm.sampling import SamplingParams, sample_batch
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
@@ -225,13 +226,14 @@ class NativeTalker(SpeechEngine):
         x = torch.stack([self.cp_hidden[:b], first], dim=1).reshape(2 * b, -1)  # rows: hidden, code 0
         positions = torch.arange(2, device=self.device).repeat(b).float().expand(3, -1)
         codes, embeds, cached = [code0], [first], 0
+        draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
         for i in range(self.groups - 1):
             n = 2 if i == 0 else 1
             with step_context(self.cp_attention.at(b, cached, n), self.moe):
                 h = cp.model(x, positions)
             cached += n
             # Seeded draws hashed from (seed, frame, group): no generator, no launch per request.
-            code = sample_tensors(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, base + i, self.cp_top_k)
+            code = draw(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, base + i, self.cp_top_k)
             codes.append(code)
             x = cp.model.codec_embedding[i](code)
             embeds.append(x)
