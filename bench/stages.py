@@ -95,14 +95,19 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
             # Long enough that no sequence finishes inside the cell: the first ones admitted decode while the
             # later ones prefill (chunked prefill), so they are that many tokens ahead when decode is timed.
             ahead = -(-b * length // cfg.thinker.max_batched_tokens) if cfg.thinker.engine == "native" else 0
-            seqs = batch(b, length, ahead + steps + 2)
 
-            def prefill():  # one step for the reference engine; as many as the token budget needs for the native one
+            def prefill(seqs):  # one step for the reference engine; as many as the token budget needs for the native one
                 while any(not s.generated for s in seqs):
                     engine.step(seqs)
 
+            # The same shapes once untimed first: a step of a token count not seen yet compiles its kernels.
+            cold = batch(b, length, 1)
+            prefill(cold)
+            for s in cold:
+                engine.free(s)
+            seqs = batch(b, length, ahead + steps + 2)
             retries = alloc_retries(dev)
-            prefill_s, _ = timed(prefill, dev)
+            prefill_s, _ = timed(lambda: prefill(seqs), dev)
             # Steps back to back, the device drained once before and once after: an engine that overlaps a
             # step's host work with the previous step's device work shows it (each call launches one step).
             hosts = []
