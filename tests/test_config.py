@@ -73,3 +73,15 @@ def test_fp8_activations_need_fp8_experts(tmp_path):
         load_config(write(tmp_path, c))
     c["thinker"]["fp8_experts"] = "channel"
     assert load_config(write(tmp_path, c)).thinker.native_args["fp8_activations"] is True
+
+
+def test_the_two_thinker_config_differs_from_the_benchmark_one_only_where_it_means_to():
+    """bench-2xh200-two-thinkers.yaml is a copy of bench-2xh200.yaml for an A/B: a copy that drifted would
+    measure more than the second thinker."""
+    import dataclasses
+
+    one = dataclasses.asdict(load_config(ROOT / "configs" / "bench-2xh200.yaml"))
+    two = dataclasses.asdict(load_config(ROOT / "configs" / "bench-2xh200-two-thinkers.yaml"))
+    assert len(two["thinker"].pop("replicas")) == 2 and len(one["thinker"].pop("replicas")) == 1
+    assert two["talker"].pop("kv_blocks") == 16384 and one["talker"].pop("kv_blocks") == 0
+    assert one == two

@@ -104,7 +104,7 @@ def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tenso
     return torch.where(temps > 0, _race(probs, order, noise), logits.argmax(-1))
 
 
-OPS = {"sample_tensors": sample_tensors}  # services.llm.layers.fuse() compiles it: its thirty small kernels become a few
+OPS = {"sample_tensors": sample_tensors}  # services.llm.layers.fuse() compiles it: its tens of small kernels become a few
 
 
 def _candidates(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int):

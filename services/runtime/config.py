@@ -111,25 +111,26 @@ class PreprocessConfig:
 
 
 @dataclass
-class EncoderConfig:
+class EngineStageConfig:
+    """A stage whose engine runs on a thread of its own beside the server's (encoder, thinker, talker)."""
     replicas: list[Replica] = field(default_factory=list)
-    engine: Literal["reference"] = "reference"
-    # Encode every item a step holds in one call per tower (off: one call per item).
-    batch: bool = False
     # How long the engine's thread may wait for the interpreter lock while the server's thread holds it (Python's
     # switch interval: its default, 5 ms, is paid after each of the engine's device waits while the server is busy).
     switch_interval_ms: float = 0.5
 
 
 @dataclass
-class LMStageConfig:
+class EncoderConfig(EngineStageConfig):
+    engine: Literal["reference"] = "reference"
+    # Encode every item a step holds in one call per tower (off: one call per item).
+    batch: bool = False
+
+
+@dataclass
+class LMStageConfig(EngineStageConfig):
     """A stage running a language model (the thinker, the talker)."""
-    replicas: list[Replica] = field(default_factory=list)
     # reference: transformers' modules, one request per forward; native: paged KV and continuous batching.
     engine: Literal["reference", "native"] = "reference"
-    # How long the engine's thread may wait for the interpreter lock while the server's thread holds it (Python's
-    # switch interval: its default, 5 ms, is paid after each of the engine's device waits while the server is busy).
-    switch_interval_ms: float = 0.5
     # native engine: KV cache blocks of block_size tokens (0 blocks: as many as the device has room for),
     # at most max_batched_tokens tokens and max_seqs sequences per step; experts by loop, grouped GEMM, or
     # triton: Triton kernels for decode-sized steps and the grouped GEMM for longer ones (GPU only).
