@@ -48,10 +48,11 @@ def figure(metric: str, ours: dict, theirs: dict | None) -> str:
 def describe(result: dict) -> str:
     m = result.get("machine", {})
     gpus = ", ".join(f"{g['name']} ({g['memory_gib']} GiB)" for g in m.get("gpus", [])) or "no GPU"
-    run = result.get("run", {})
+    runs = result.get("parts", []) + [result.get("run", {})]  # a file run in parts (--resume, bench.merge): each part's
+    commands = "; ".join(f"`{r.get('command', '?')}`" for r in runs)
     return (f"engine `{result['engine']}`, {result['created']}, commit `{result.get('git_commit', '')[:12]}`"
             f"{' (dirty tree)' if result.get('git_dirty') else ''}, {m.get('hostname', '?')}: {m.get('cpu_count', '?')} CPUs, {gpus}; "
-            f"config `{result['config'].get('path', '')}`; command `{run.get('command', '?')}`")
+            f"config `{result['config'].get('path', '')}`; {'commands' if len(runs) > 1 else 'command'} {commands}")
 
 
 def markdown(result: dict, name: str, baseline: dict | None = None, baseline_name: str = "") -> str:
@@ -66,7 +67,8 @@ def markdown(result: dict, name: str, baseline: dict | None = None, baseline_nam
         groups.setdefault(cell.get("workload") or f"{cell.get('stage')} {cell.get('mode', '')}".strip(), []).append(cell)
     for group, cells in groups.items():
         columns = STAGE_COLUMNS if "stage" in cells[0] else SPEECH_COLUMNS if cells[0].get("speech") else TEXT_COLUMNS
-        columns = [c for c in columns if any(x.get(c) is not None for x in cells)]
+        # A column either side measured: a cell of ours skipped still shows the baseline's figures.
+        columns = [c for c in columns if any(x.get(c) is not None for x in cells + [theirs.get(cell_key(x), {}) for x in cells])]
         lines += [f"## {group}", "", "| cell | " + " | ".join(TITLES[c] for c in columns) + " | notes |",
                   "|---" * (len(columns) + 2) + "|"]
         for cell in cells:

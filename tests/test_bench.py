@@ -247,6 +247,13 @@ def test_parts_run_side_by_side_merge_into_one_file(bench_dir):
     assert results.read(out) == merged
     assert [(c["workload"], c["status"]) for c in merged["cells"]] == [("t2t", "ok"), ("t2s", "ok")]
     assert [p["args"]["workloads"] for p in merged["parts"]] == ["t2t"] and merged["run"]["args"]["workloads"] == "t2s"
+    # As a baseline in a report: both parts' commands named; a cell of ours that was skipped shows its figures.
+    ours = bench_dir / "side-ours.json"
+    bench_run.main([*args, "--max-tokens", "3", "--workloads", "t2s", "--out", str(ours), "--max-minutes", "0.00001"])
+    md = report.main([str(ours), str(out), "--no-plots"])[0].read_text()
+    assert str(text) in md and str(speech) in md
+    row = next(line for line in md.splitlines() if line.startswith("| B=1 |"))
+    assert "audio-s/s" in md and "- / " in row and "- / -" not in row.split("|")[2], row
     with pytest.raises(SystemExit, match="max_tokens"):
         merge.main([str(text), str(longer), "--out", str(bench_dir / "none.json")])
     with pytest.raises(SystemExit, match="more than one file"):
