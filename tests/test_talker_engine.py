@@ -24,6 +24,7 @@ ENGINES = {
     "chunked prefill": {"max_batched_tokens": 5},
     "preemption": {"kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
     "grouped experts": {"moe": "grouped"},
+    "audio handed out late": {},  # as on a GPU's side stream: code2wav complete a few steps after its launch
 }
 TOKENS, FRAMES = 10, 14
 
@@ -49,12 +50,46 @@ def cases(tiny_model, hf_model):
     return out, spec
 
 
+class LateEvent:
+    """The side stream's event after a code2wav launch, on the CPU: complete after a few queries, or once it or
+    a later launch's event is waited for (one stream: work completes in launch order)."""
+
+    def __init__(self, queries: int, launched: list):
+        self.left, self.launched, self.polled_early = queries, launched, 0
+        launched.append(self)
+
+    def query(self) -> bool:
+        self.left -= 1
+        self.polled_early += self.left >= 0
+        return self.left < 0
+
+    def synchronize(self) -> None:
+        for event in self.launched[:self.launched.index(self) + 1]:
+            event.left = -1
+
+    def elapsed_time(self, end) -> float:
+        return 1.0
+
+
+def late(launch):
+    launched = []
+
+    def launched_late(group):
+        job = launch(group)
+        job.done, job.timing = LateEvent(3, launched), LateEvent(0, [])
+        return job
+    launched_late.events = launched
+    return launched_late
+
+
 @pytest.mark.parametrize("setup", list(ENGINES))
 def test_batched_speech_equals_transformers(tiny_model, cases, setup):
     data, spec = cases
     engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, **ENGINES[setup])
     # Nothing records autograd (captured steps would, and compiled layers would keep a variant for it).
     assert not any(p.requires_grad for m in (engine.talker, engine.code2wav) for p in m.parameters())
+    if setup == "audio handed out late":
+        engine._launch = late(engine._launch)
     seqs, fed, chunks = {}, {}, {name: [] for name in data}
     for name, d in data.items():
         seq = TalkerSeq(name, d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), d["tts"])
@@ -88,6 +123,8 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup):
         assert frame == len(seq.frames)
     if setup == "preemption":
         assert engine.scheduler.preemptions > 0
+    if setup == "audio handed out late":  # chunks went out in steps after their launch's
+        assert sum(e.polled_early for e in engine._launch.events) > 0 and not engine.vocoding
     assert engine.scheduler.allocator.used == 0 and not engine.states
 
 

@@ -182,10 +182,12 @@ class TalkerConfig(LMStageConfig):
     left_context_frames: int = 25
     # native engine with cuda_graph_max_batch: code2wav replayed from CUDA graphs for each chunk shape.
     code2wav_graphs: bool = True
+    # native engine on a GPU: code2wav on a stream of its own, beside the frame loop, read back when it is done.
+    code2wav_stream: bool = True
 
     @property
     def native_args(self) -> dict:
-        return {**super().native_args, "code2wav_graphs": self.code2wav_graphs}
+        return {**super().native_args, "code2wav_graphs": self.code2wav_graphs, "code2wav_stream": self.code2wav_stream}
 
 
 @dataclass

@@ -46,7 +46,7 @@ class NativeTalker(SpeechEngine):
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
                  fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
-                 compile: bool = False, code2wav_graphs: bool = True):
+                 compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True):
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -91,6 +91,8 @@ class NativeTalker(SpeechEngine):
                 self._capture(sizes, blocks, text)
             if code2wav_graphs:
                 self.capture_code2wav(min(cuda_graph_max_batch, max_seqs))
+        if code2wav_stream and self.device.type == "cuda":
+            self.vocode_stream = torch.cuda.Stream(self.device)
 
     def _capture(self, sizes: list[int], scratch: int, text) -> None:
         """The talker's decode steps (one input row per request, positions equal on the three M-RoPE rows)
@@ -156,8 +158,11 @@ class NativeTalker(SpeechEngine):
             self._frames(framing)
             touched.update((id(s), s) for s in framing)
         touched.update((id(w.seq.owner), w.seq.owner) for w in self._forward())
-        audio = self.vocode(list(touched.values()))
-        return [(seq, TalkerStep(audio[id(seq)], finished=seq.done)) for seq in touched.values()]
+        # With nothing else queued (requests only waiting for their audio), wait for audio instead of polling.
+        audio = self.vocode(list(touched.values()), wait=not touched)
+        for seq, _ in audio.values():
+            touched.setdefault(id(seq), seq)
+        return [(seq, TalkerStep(audio.get(id(seq), (seq, []))[1], finished=seq.done)) for seq in touched.values()]
 
     # -- one step ----------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ class ReferenceTalker(SpeechEngine):
             seq.seconds["talker"] += time.perf_counter() - t0
         else:
             self._decode(seq)
-        return TalkerStep(self.vocode([seq])[id(seq)], finished=seq.done)
+        return TalkerStep(self.vocode([seq]).get(id(seq), (seq, []))[1], finished=seq.done)
 
     def _forward(self, seq: TalkerSeq, inputs: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Runs the talker on `inputs` [1, n, D] and samples the next first-codebook code."""

@@ -44,7 +44,8 @@ class TalkerSeq:
     code0: int | None = None  # sampled, its frame not yet predicted
     past_hidden: torch.Tensor | None = None  # talker output at the last position ([1, 1, D] reference, [D] native)
     frames: list[list[int]] = field(default_factory=list)
-    decoded: int = 0  # frames already turned into audio
+    decoded: int = 0  # frames already turned into audio (launched, perhaps not yet handed out)
+    vocoding: int = 0  # chunks launched and not yet handed out
     generator: torch.Generator | None = None  # the reference engine's two; the native one hashes seeds
     predictor_generator: torch.Generator | None = None
     predictor_params: SamplingParams | None = None  # None: greedy
@@ -63,6 +64,16 @@ class SpeechChunk:
 class TalkerStep:
     chunks: list[SpeechChunk]
     finished: bool = False
+
+
+@dataclass(eq=False)
+class Vocoding:
+    """code2wav launched for a group of chunks (one length and left context); its waveforms are in host
+    memory once `done` has passed."""
+    chunks: list[tuple[TalkerSeq, int, int]]  # (request, first frame, end frame)
+    pcm: torch.Tensor  # [B, samples] float32: pinned host memory a side stream copies into, or already there
+    done: object | None  # a CUDA event recorded after that copy; None: complete when launched
+    timing: object  # seconds it took (complete at launch), or the CUDA event recorded before the work
 
 
 
@@ -89,6 +100,11 @@ class SpeechEngine:
         self.samples_per_frame = int(self.code2wav.total_upsample)
         self.sample_rate = 24000
         self.c2w_graphs: dict[int, tuple[torch.Tensor, object]] = {}  # frames (context included) -> (codes buffer, graphs)
+        # code2wav off the frame loop's stream (set by an engine on a GPU): the device runs it beside the next
+        # frames, and the host reads the waveforms when they are there instead of waiting for them.
+        self.vocode_stream: torch.cuda.Stream | None = None
+        self.vocoding: deque[Vocoding] = deque()  # launched, in launch order (the order they complete in)
+        self.live: set[int] = set()  # requests added and not freed: chunks of freed ones are dropped
 
     def chunk_shapes(self) -> list[int]:
         """The frame counts (left context included) code2wav sees for every chunk but a request's last: the
@@ -125,6 +141,7 @@ class SpeechEngine:
     def add(self, seq: TalkerSeq) -> None:
         if seq.params.max_tokens < 1:
             raise InvalidArgument("talker max frames must be at least 1")
+        self.live.add(id(seq))
         if seq.params.temperature > 0:  # the predictor samples too, from its own stream of the request's seed
             seed = seq.params.seed + 1 if seq.params.seed else 0
             seq.predictor_params = replace(PREDICTOR_SAMPLING, seed=seed)
@@ -137,7 +154,7 @@ class SpeechEngine:
         seq.text_done = ended
         if not self.started(seq):
             return seq.n_states >= len(seq.prompt_ids) + 1 or seq.text_done
-        return self.runnable(seq)
+        return self.runnable(seq) or seq.vocoding > 0  # audio on its way: a step hands it out
 
     def started(self, seq: TalkerSeq) -> bool:
         raise NotImplementedError
@@ -149,6 +166,7 @@ class SpeechEngine:
     def free(self, seq: TalkerSeq) -> None:
         seq.embeds.clear()
         seq.hidden.clear()
+        self.live.discard(id(seq))
 
     def suppressed(self, seq: TalkerSeq) -> torch.Tensor:
         return self.suppress_with_eos if seq.params.ignore_eos else self.suppress
@@ -237,20 +255,57 @@ class SpeechEngine:
         start = seq.decoded
         return start, min(len(seq.frames), start + need), min(context, start)
 
-    def vocode(self, seqs: list[TalkerSeq]) -> dict[int, list[SpeechChunk]]:
-        """Every chunk ready for audio, per request; chunks of the same length and context are decoded together
-        (code2wav is causal, so a batch gives each request what it would get alone)."""
-        out: dict[int, list[SpeechChunk]] = {id(s): [] for s in seqs}
+    def vocode(self, seqs: list[TalkerSeq], wait: bool = False) -> dict[int, tuple[TalkerSeq, list[SpeechChunk]]]:
+        """Launches code2wav for every chunk of `seqs` ready for audio, then hands out the chunks whose waveforms
+        are in host memory, in launch order: {id(request): (request, chunks)}, for any request. Chunks of the
+        same length and context are decoded together (code2wav is causal, so a batch gives each request what it
+        would get alone). On `vocode_stream` nothing here waits for the device, except for a request that has
+        finished (all its audio goes out with its last step) or, with `wait` (the step queued nothing else), for
+        the oldest launch rather than returning empty-handed."""
         while jobs := [(s, c) for s in seqs if (c := self._next_chunk(s)) is not None]:
             groups: dict[tuple[int, int], list] = {}
             for s, (start, end, ctx) in jobs:
                 groups.setdefault((end - start, ctx), []).append((s, start, end, ctx))
             for group in groups.values():
-                t0 = time.perf_counter()
-                wavs = self._code2wav([s.frames[start - ctx:end] for s, start, end, ctx in group])
-                wavs = wavs[:, 0, group[0][3] * self.samples_per_frame:].float().cpu().numpy()  # [B, samples], copied out
-                for (s, start, end, _), wav in zip(group, wavs):
-                    out[id(s)].append(SpeechChunk(wav, s.frames[start:end], start))
-                    s.decoded = end
-                    s.seconds["code2wav"] += (time.perf_counter() - t0) / len(group)
+                self.vocoding.append(self._launch(group))
+        if self.vocoding and any(s.done and s.vocoding for s in seqs):
+            self._wait(self.vocoding[-1])  # one stream: everything launched before it is complete too
+        elif self.vocoding and wait:
+            self._wait(self.vocoding[0])
+        out: dict[int, tuple[TalkerSeq, list[SpeechChunk]]] = {}
+        while self.vocoding and (self.vocoding[0].done is None or self.vocoding[0].done.query()):
+            job = self.vocoding.popleft()
+            seconds = job.timing if job.done is None else job.timing.elapsed_time(job.done) / 1000
+            for (s, start, end), wav in zip(job.chunks, job.pcm.numpy()):
+                s.vocoding -= 1
+                if id(s) in self.live:
+                    s.seconds["code2wav"] += seconds / len(job.chunks)
+                    out.setdefault(id(s), (s, []))[1].append(SpeechChunk(wav, s.frames[start:end], start))
         return out
+
+    def _launch(self, group: list) -> Vocoding:
+        """code2wav for one group of chunks: on the side stream (into pinned host memory, an event after the
+        copy) where there is one, else run to completion here."""
+        t0 = time.perf_counter()
+        codes = [s.frames[start - ctx:end] for s, start, end, ctx in group]
+        skip = group[0][3] * self.samples_per_frame  # the left context's samples
+        for s, _, end, _ in group:
+            s.decoded = end
+            s.vocoding += 1
+        chunks = [(s, start, end) for s, start, end, _ in group]
+        if self.vocode_stream is None:
+            pcm = self._code2wav(codes)[:, 0, skip:].float().cpu()
+            return Vocoding(chunks, pcm, None, time.perf_counter() - t0)
+        begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.vocode_stream):
+            begin.record()
+            wavs = self._code2wav(codes)[:, 0, skip:].float()
+            pcm = torch.empty(wavs.shape, dtype=torch.float32, pin_memory=True)
+            pcm.copy_(wavs, non_blocking=True)  # wavs' memory is this stream's: not reused before the copy
+            done.record()
+        return Vocoding(chunks, pcm, done, begin)
+
+    @staticmethod
+    def _wait(job: Vocoding) -> None:
+        if job.done is not None:
+            job.done.synchronize()
