@@ -74,9 +74,7 @@ def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
     with torch.no_grad():
         while not all(len(s.frames) >= 2 for s in seqs):
             engine.step([s for s in seqs if engine.ready(s)])
-        for s in seqs:  # the next frame's code predictor, so every request has its decode row queued
-            if s.code0 is not None:
-                engine._frames([s])
+        engine._queue_inputs([s for s in seqs if s.next_embed is not None])  # every request's decode row queued
         work = engine.scheduler.schedule()
         assert len(work) == 3, [(w.start, w.n) for w in work]
         assert engine._graphable(work), [(w.start, w.n, w.seq.prompt_len, len(w.seq.tokens)) for w in work]

@@ -138,7 +138,11 @@ class NativeTalker(SpeechEngine):
         return id(seq) in self.states
 
     def runnable(self, seq: TalkerSeq) -> bool:
-        return self.states[id(seq)].pending > 0 or (seq.code0 is not None and self._trailing_known(seq))
+        return self.states[id(seq)].pending > 0 or (seq.next_embed is not None and self._input_known(seq))
+
+    def _input_known(self, seq: TalkerSeq) -> bool:
+        # The input after frame t adds the text of thinker position L + 1 + t (or tts_eos / tts_pad after it).
+        return seq.text_done or seq.n_states > len(seq.prompt_ids) + len(seq.frames)
 
     def free(self, seq: TalkerSeq) -> None:
         super().free(seq)
@@ -153,10 +157,9 @@ class NativeTalker(SpeechEngine):
             if not self.started(seq):
                 touched[id(seq)] = seq
                 self._admit(seq)
-        framing = [s for s in seqs if self.started(s) and s.code0 is not None and self._trailing_known(s)]
-        if framing:
-            self._frames(framing)
-            touched.update((id(s), s) for s in framing)
+        going = [s for s in seqs if self.started(s) and s.next_embed is not None and self._input_known(s)]
+        if going:
+            self._queue_inputs(going)
         touched.update((id(w.seq.owner), w.seq.owner) for w in self._forward())
         # With nothing else queued (requests only waiting for their audio), wait for audio instead of polling.
         audio = self.vocode(list(touched.values()), wait=not touched)
@@ -176,47 +179,71 @@ class NativeTalker(SpeechEngine):
         self.states[id(seq)] = state
         self.scheduler.add(state)
 
-    def _frames(self, seqs: list[TalkerSeq]) -> None:
-        """Predicts the pending frame of each request, then queues the talker's next input for those that go on
-        (their inputs and positions built for all of them at once: a few launches whatever the batch)."""
-        t0 = time.perf_counter()
-        codes, embeds = self._predict(seqs)
-        rows = codes.tolist()  # one wait on the device for every request's frame
-        share = (time.perf_counter() - t0) / len(seqs)
-        going = []
-        for i, seq in enumerate(seqs):
-            seq.frames.append(rows[i])
-            seq.code0 = None
-            seq.seconds["code_predictor"] += share
+    def _queue_inputs(self, seqs: list[TalkerSeq]) -> None:
+        """The talker's next input for each request: its last frame's code embeddings and the text that frame
+        adds, with their positions, built for all of them at once (a few launches whatever the batch)."""
+        states = [self.states[id(s)] for s in seqs]
+        inputs = torch.stack([s.next_embed for s in seqs]) + self.trailing_rows([(s, len(s.frames) - 1) for s in seqs])
+        positions = upload([len(st.tokens) + s.rope_delta for s, st in zip(seqs, states)], self.device,
+                           torch.float32)[None].expand(3, -1)
+        for j, (seq, state) in enumerate(zip(seqs, states)):
+            state.inputs.append(inputs[j:j + 1])
+            state.positions.append(positions[:, j:j + 1])
+            state.tokens.append(seq.frames[-1][0])
+            seq.next_embed = None
+
+    def _predict_frames(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor, since) -> None:
+        """The frames whose first codes `code0` [B] the talker's step just sampled (on the device, not yet read)
+        from its states `hidden` [B, D]: the code predictor runs straight after that step, and one read of the
+        device per frame step takes both steps' codes. A request ends on the end code or its last frame; the
+        others keep their frame's summed code embeddings for the next input."""
+        launched = self._mark()
+        codes, embeds = self._predict(seqs, code0, hidden)
+        sums = embeds.sum(1)
+        finished = self._mark()
+        rows = codes.tolist()  # the step's one wait on the device
+        talker, predictor = self._between(since, launched) / len(seqs), self._between(launched, finished) / len(seqs)
+        for seq, row, summed in zip(seqs, rows, sums):
+            seq.seconds["talker"] += talker
+            seq.seconds["code_predictor"] += predictor
+            if row[0] == self.codec_eos:
+                seq.done, seq.eos = True, True
+                continue
+            seq.frames.append(row)
             if len(seq.frames) >= seq.params.max_tokens:
                 seq.done = True
             else:
-                going.append(i)
-        if not going:
-            return
-        states = [self.states[id(seqs[i])] for i in going]
-        inputs = embeds[going].sum(1) + self.trailing_rows([(seqs[i], len(seqs[i].frames) - 1) for i in going])
-        positions = upload([len(st.tokens) + seqs[i].rope_delta for i, st in zip(going, states)], self.device,
-                           torch.float32)[None].expand(3, -1)
-        for j, (i, state) in enumerate(zip(going, states)):
-            state.inputs.append(inputs[j:j + 1])
-            state.positions.append(positions[:, j:j + 1])
-            state.tokens.append(seqs[i].frames[-1][0])
+                seq.next_embed = summed
 
-    def _predict(self, seqs: list[TalkerSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes [B, G] of the frames whose first codes are pending, and their code embeddings [B, G, D]:
-        the requests' inputs go into the predictor's fixed buffers, then one frame runs (replayed from a
-        graph where one is captured)."""
+    def _mark(self):
+        """A point in the step's timeline: a CUDA event on a GPU (the device's time: the host no longer waits
+        between the talker and the predictor), the host's clock elsewhere."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _between(a, b) -> float:
+        return a.elapsed_time(b) / 1000 if isinstance(a, torch.cuda.Event) else b - a
+
+    def _predict(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes [B, G] of the frames of `seqs`, and their code embeddings [B, G, D]: first codes and talker
+        states (device tensors) and the requests' settings go into the predictor's fixed buffers, then one
+        frame runs (replayed from a graph where one is captured)."""
         n = len(seqs)
         graph = self.cp_graphs is not None and n <= self.cp_graphs.max_batch
         b = self.cp_graphs.size_for(n) if graph else n
         params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy
-        ints = torch.tensor([[s.code0 for s in seqs] + [0] * (b - n), [p.top_k or self.cp_top_k for p in params],
-                             [p.seed & (2**63 - 1) for p in params], [len(s.frames) * self.groups for s in seqs] + [0] * (b - n)])
-        upload_into(self.cp_ints[:, :b], ints)
+        ints = torch.tensor([[p.top_k or self.cp_top_k for p in params], [p.seed & (2**63 - 1) for p in params],
+                             [len(s.frames) * self.groups for s in seqs] + [0] * (b - n)])
+        upload_into(self.cp_ints[1:, :b], ints)
         upload_into(self.cp_floats[:, :b], [[p.temperature for p in params], [p.top_p for p in params]])
-        self.cp_hidden[:n] = torch.stack([s.past_hidden for s in seqs])
+        self.cp_ints[0, :n] = code0
+        self.cp_hidden[:n] = hidden
         if b > n:
+            self.cp_ints[0, n:b] = 0
             self.cp_hidden[n:b] = 0
         codes, embeds = self.cp_graphs.replay(b) if graph else self._predict_body(n)
         return codes[:n], embeds[:n]
@@ -250,7 +277,7 @@ class NativeTalker(SpeechEngine):
         work = self.scheduler.schedule()
         if not work:
             return []
-        t0 = time.perf_counter()
+        started, t0 = time.perf_counter(), self._mark()
         if self._graphable(work):
             hidden, logits = self._graph_rows(work)
             caught_up, h = list(range(len(work))), hidden
@@ -261,20 +288,16 @@ class NativeTalker(SpeechEngine):
             h = hidden[last[caught_up]] if caught_up else None
             logits = self.talker.codec_head(h) if caught_up else None
         self.scheduler.advance(work)
-        if caught_up:
+        if caught_up:  # their first codes, sampled on the device, and their frames straight after
             seqs = [work[i].seq.owner for i in caught_up]
             frames = [len(s.frames) for s in seqs]
-            codes = sample_batch(logits, [s.params for s in seqs], [[f[0] for f in s.frames] for s in seqs],
-                                 frames, [self.suppressed(s) for s in seqs], counters=frames).tolist()
-            for seq, code, past in zip(seqs, codes, h):
-                seq.past_hidden = past
-                if code == self.codec_eos:
-                    seq.done, seq.eos = True, True
-                else:
-                    seq.code0 = code
-        elapsed = time.perf_counter() - t0
-        for w in work:
-            w.seq.owner.seconds["talker"] += elapsed / len(work)
+            code0 = sample_batch(logits, [s.params for s in seqs], [[f[0] for f in s.frames] for s in seqs],
+                                 frames, [self.suppressed(s) for s in seqs], counters=frames)
+            self._predict_frames(seqs, code0, h, t0)
+        else:  # prompt rows only: nothing is read back, so the host's time is what there is to count
+            share = (time.perf_counter() - started) / len(work)
+            for w in work:
+                w.seq.owner.seconds["talker"] += share
         return work
 
     def _rows(self, work: list) -> torch.Tensor:
@@ -289,8 +312,7 @@ class NativeTalker(SpeechEngine):
                 and all(w.n == 1 and w.start >= w.seq.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work))
 
     def _graph_rows(self, work: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states and codec logits of a decode step, replayed from its graph (copied out: the next
-        replay overwrites them, and a request keeps its last state until its frame is predicted)."""
+        """Hidden states and codec logits of a decode step, replayed from its graph."""
         n = len(work)
         b = self.graphs.size_for(n)
         self.decode_x[:n] = torch.cat([w.seq.rows(w.start, 1)[0] for w in work])
@@ -298,4 +320,4 @@ class NativeTalker(SpeechEngine):
         upload_into(self.decode_pos[:b], pos)
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         hidden, logits = self.graphs.replay(b)
-        return hidden[:n].clone(), logits[:n]
+        return hidden[:n], logits[:n]  # valid until the next replay: the predictor copies the states before it

@@ -42,7 +42,9 @@ class TalkerSeq:
     n_cached: int = 0
     rope_delta: float = 0.0
     code0: int | None = None  # sampled, its frame not yet predicted
-    past_hidden: torch.Tensor | None = None  # talker output at the last position ([1, 1, D] reference, [D] native)
+    past_hidden: torch.Tensor | None = None  # the reference engine's: talker output at the last position [1, 1, D]
+    next_embed: torch.Tensor | None = None  # the native engine's: the last frame's summed code embeddings [D],
+    # waiting for the text its next input adds
     frames: list[list[int]] = field(default_factory=list)
     decoded: int = 0  # frames already turned into audio (launched, perhaps not yet handed out)
     vocoding: int = 0  # chunks launched and not yet handed out
