@@ -192,8 +192,10 @@ def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work()
     ready.record()
     with torch.cuda.device("cuda:0"):
         _busy("cuda:0")
+        t0 = time.perf_counter()
         ref = t.put(x, placement, ready)
-        assert not torch.cuda.current_stream().query(), "the put waited for work queued after its tensor"
+        took = time.perf_counter() - t0
+        assert not torch.cuda.current_stream().query(), f"the put waited for work queued after its tensor ({took * 1000:.0f} ms)"
         torch.cuda.synchronize()
     pool = t.cuda_pool(torch.device("cuda:0"))
     s = ref.cuda
