@@ -25,6 +25,8 @@ ENGINES = {
     "preemption": {"kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
     "grouped experts": {"moe": "grouped"},
     "audio handed out late": {},  # as on a GPU's side stream: code2wav complete a few steps after its launch
+    "overlapped frame steps": {"overlap": True},  # each step's codes read after the next step is launched
+    "overlap and preemption": {"overlap": True, "kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
 }
 TOKENS, FRAMES = 10, 14
 
@@ -121,11 +123,58 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup):
             assert len(ref) == len(chunk.pcm) and np.abs(chunk.pcm - ref).max() < 1e-5, name
             frame += len(chunk.codes)
         assert frame == len(seq.frames)
-    if setup == "preemption":
+    if "preemption" in setup:
         assert engine.scheduler.preemptions > 0
+    assert (engine.overlapped > 0) == ("overlap" in setup)
     if setup == "audio handed out late":  # chunks went out in steps after their launch's
         assert sum(e.polled_early for e in engine._launch.events) > 0 and not engine.vocoding
     assert engine.scheduler.allocator.used == 0 and not engine.states
+
+
+def speak(engine, data, spec, names, frames: int = FRAMES) -> tuple[dict, dict]:
+    """Requests for `names` with every thinker state at once, stepped as the engine worker does; their seqs and chunks."""
+    seqs, chunks = {}, {name: [] for name in names}
+    for name in names:
+        d = data[name]
+        seq = TalkerSeq(name, d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=frames, repetition_penalty=1.05), d["tts"])
+        engine.add(seq)
+        seq.inbox.append((d["embeds"], d["hidden"]))
+        seq.text_ended = True
+        seqs[name] = seq
+    while ready := [s for s in seqs.values() if engine.ready(s)]:
+        for seq, out in engine.step(ready):
+            chunks[seq.request_id] += out.chunks
+        for seq in seqs.values():
+            if seq.done and id(seq) in engine.states:
+                engine.free(seq)
+    return seqs, chunks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_ending_on_the_end_code(tiny_model, cases, overlap):
+    """The end code drawn for one request at its sixth frame (forced): it stops with eos after five frames, all
+    their audio out by its last step, the others run to their length. Overlapped, the frame launched for it
+    before the end code was read is dropped."""
+    data, spec = cases
+    engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, overlap=overlap)
+    draw = engine._sample_first
+
+    def ends_at_five(seqs, logits):
+        code0 = draw(seqs, logits)
+        for i, s in enumerate(seqs):
+            if s.request_id == "image" and len(s.frames) + s.frames_unread == 5:
+                code0[i] = engine.codec_eos
+        return code0
+
+    engine._sample_first = ends_at_five
+    seqs, chunks = speak(engine, data, spec, ["text", "image", "audio"])
+    for name, seq in seqs.items():
+        expected = data[name]["codes"][:5] if name == "image" else data[name]["codes"]
+        ended = name == "image" or len(expected) < FRAMES  # transformers' own may end on the end code too
+        assert seq.frames == expected and seq.eos == ended and seq.done, name
+        assert sum(len(c.codes) for c in chunks[name]) == len(seq.frames), name
+    assert engine.scheduler.allocator.used == 0 and not engine.states and not engine.vocoding
+    assert sorted(engine.free_slots) == list(range(len(engine.seen)))
 
 
 def test_a_request_larger_than_the_cache_is_refused(tiny_model, cases):

@@ -184,10 +184,16 @@ class TalkerConfig(LMStageConfig):
     code2wav_graphs: bool = True
     # native engine on a GPU: code2wav on a stream of its own, beside the frame loop, read back when it is done.
     code2wav_stream: bool = True
+    # native engine: a frame step is launched before the previous one's codes are read (the repetition penalty
+    # kept on the device), so the host's work for a step runs while the device computes the one before. A
+    # frame reaches its request one step later; a request that ends on the end code computes one frame more,
+    # discarded.
+    overlap: bool = False
 
     @property
     def native_args(self) -> dict:
-        return {**super().native_args, "code2wav_graphs": self.code2wav_graphs, "code2wav_stream": self.code2wav_stream}
+        return {**super().native_args, "code2wav_graphs": self.code2wav_graphs, "code2wav_stream": self.code2wav_stream,
+                "overlap": self.overlap}
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""The native talker engine: many speech requests batched. Each step predicts the pending frames of all
-requests together (the code predictor's steps run once for the whole batch), then runs one talker
-forward over every scheduled request on a paged KV cache (prefills in chunks, one row per decode), then
-samples every first code at once. Same requests and outputs as the reference engine."""
+"""The native talker engine: many speech requests batched. Each step runs one talker forward over every
+scheduled request on a paged KV cache (prefills in chunks, one row per decode), samples every first code
+at once on the device, and runs the code predictor for all those frames straight after (its 15 steps once
+for the whole batch); one read of the device takes the step's codes. With `overlap`, that read comes after
+the next step is launched, so the host's work for a step runs while the device computes the one before.
+Same requests and outputs as the reference engine."""
 
 import time
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from services.talker.model import TalkerModel
 from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep
 
 GREEDY = SamplingParams()
+PLACEHOLDER = -1  # a talker token (first code) not read back from the device: its value is never needed there
 
 
 @dataclass(eq=False)
@@ -32,6 +35,7 @@ class TalkerState(SeqState):
     inputs: list = field(default_factory=list)  # [n, D] per forward
     positions: list = field(default_factory=list)  # [3, n] per forward
     prompt_len: int = 0  # rows before the first frame's (their positions may differ across the three M-RoPE rows)
+    slot: int = 0  # the request's row of the engine's `seen` codes
 
     def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         base = len(self.tokens) - len(self.inputs[-1])
@@ -46,7 +50,7 @@ class NativeTalker(SpeechEngine):
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
                  fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
-                 compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True):
+                 compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False):
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -82,6 +86,12 @@ class NativeTalker(SpeechEngine):
         self.cp_top_k = PREDICTOR_SAMPLING.top_k or cp.vocab_size  # the widest top-k a predictor row may use
         self.moe = moe
         self.states: dict[int, TalkerState] = {}
+        # First codes each request has drawn, as a mask on the device: the repetition penalty needs no history from
+        # the host, so a step can be sampled before the one before it is read.
+        self.seen = torch.zeros(max(max_seqs, 1), self.talker.codec_head.out_features, dtype=torch.bool, device=self.device)
+        self.free_slots = list(range(len(self.seen)))[::-1]
+        self.overlap, self.pending = overlap, None  # the launched frame step whose codes are not read yet
+        self.overlapped = 0  # frame steps launched before the previous one's codes were read
         self.cp_graphs = self.graphs = None
         if cuda_graph_max_batch and self.device.type == "cuda":  # the predictor is dense: no experts to capture
             from services.llm.graphs import CapturedGraphs, ladder
@@ -138,17 +148,19 @@ class NativeTalker(SpeechEngine):
         return id(seq) in self.states
 
     def runnable(self, seq: TalkerSeq) -> bool:
-        return self.states[id(seq)].pending > 0 or (seq.next_embed is not None and self._input_known(seq))
+        return (self.states[id(seq)].pending > 0 or (seq.next_embed is not None and self._input_known(seq))
+                or seq.frames_unread > 0)  # a step reads it
 
     def _input_known(self, seq: TalkerSeq) -> bool:
         # The input after frame t adds the text of thinker position L + 1 + t (or tts_eos / tts_pad after it).
-        return seq.text_done or seq.n_states > len(seq.prompt_ids) + len(seq.frames)
+        return seq.text_done or seq.n_states > len(seq.prompt_ids) + len(seq.frames) + seq.frames_unread
 
     def free(self, seq: TalkerSeq) -> None:
         super().free(seq)
         state = self.states.pop(id(seq), None)
         if state is not None:
             self.scheduler.remove(state)
+            self.free_slots.append(state.slot)
 
     @torch.no_grad()
     def step(self, seqs: list[TalkerSeq]) -> list[tuple[TalkerSeq, TalkerStep]]:
@@ -160,7 +172,15 @@ class NativeTalker(SpeechEngine):
         going = [s for s in seqs if self.started(s) and s.next_embed is not None and self._input_known(s)]
         if going:
             self._queue_inputs(going)
-        touched.update((id(w.seq.owner), w.seq.owner) for w in self._forward())
+        launched = self._forward()
+        if self.pending is not None:  # the frames launched last step (overlap): read now that this one is queued
+            touched.update((id(s), s) for s in self._read(self.pending))
+            self.pending = None
+        if launched is not None and self.overlap:
+            self.pending = launched
+            self.overlapped += 1
+        elif launched is not None:
+            touched.update((id(s), s) for s in self._read(launched))
         # With nothing else queued (requests only waiting for their audio), wait for audio instead of polling.
         audio = self.vocode(list(touched.values()), wait=not touched)
         for seq, _ in audio.values():
@@ -174,8 +194,13 @@ class NativeTalker(SpeechEngine):
             seq.done = True
             return
         inputs, positions = self.prompt_inputs(seq)
+        if not self.free_slots:  # more requests started than max_seqs: room for as many again
+            n = len(self.seen)
+            self.seen = torch.cat([self.seen, torch.zeros_like(self.seen)])
+            self.free_slots = list(range(2 * n - 1, n - 1, -1))
         state = TalkerState(tokens=[self.tts_pad_id] * len(inputs), owner=seq, inputs=[inputs], positions=[positions],
-                            prompt_len=len(inputs))
+                            prompt_len=len(inputs), slot=self.free_slots.pop())
+        self.seen[state.slot] = False
         self.states[id(seq)] = state
         self.scheduler.add(state)
 
@@ -183,37 +208,75 @@ class NativeTalker(SpeechEngine):
         """The talker's next input for each request: its last frame's code embeddings and the text that frame
         adds, with their positions, built for all of them at once (a few launches whatever the batch)."""
         states = [self.states[id(s)] for s in seqs]
-        inputs = torch.stack([s.next_embed for s in seqs]) + self.trailing_rows([(s, len(s.frames) - 1) for s in seqs])
+        frames = [(s, len(s.frames) + s.frames_unread - 1) for s in seqs]  # the frame each input follows
+        inputs = torch.stack([s.next_embed for s in seqs]) + self.trailing_rows(frames)
         positions = upload([len(st.tokens) + s.rope_delta for s, st in zip(seqs, states)], self.device,
                            torch.float32)[None].expand(3, -1)
         for j, (seq, state) in enumerate(zip(seqs, states)):
             state.inputs.append(inputs[j:j + 1])
             state.positions.append(positions[:, j:j + 1])
-            state.tokens.append(seq.frames[-1][0])
+            state.tokens.append(PLACEHOLDER)
             seq.next_embed = None
 
-    def _predict_frames(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor, since) -> None:
+    def _launch_frames(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor, since) -> "_Frames":
         """The frames whose first codes `code0` [B] the talker's step just sampled (on the device, not yet read)
-        from its states `hidden` [B, D]: the code predictor runs straight after that step, and one read of the
-        device per frame step takes both steps' codes. A request ends on the end code or its last frame; the
-        others keep their frame's summed code embeddings for the next input."""
+        from its states `hidden` [B, D]: the code predictor queued straight after that step, its codes on their
+        way to host memory. Each request that may go on keeps its frame's summed code embeddings for its next
+        input (one whose frame turns out to be the end code is stopped when the codes are read)."""
         launched = self._mark()
         codes, embeds = self._predict(seqs, code0, hidden)
         sums = embeds.sum(1)
+        host = codes
+        if codes.is_cuda:  # the next replay overwrites the predictor's outputs: copied out before it
+            host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+            host.copy_(codes, non_blocking=True)
         finished = self._mark()
-        rows = codes.tolist()  # the step's one wait on the device
-        talker, predictor = self._between(since, launched) / len(seqs), self._between(launched, finished) / len(seqs)
-        for seq, row, summed in zip(seqs, rows, sums):
+        for seq, summed in zip(seqs, sums):
+            seq.frames_unread += 1
+            if len(seq.frames) + seq.frames_unread < seq.params.max_tokens:
+                seq.next_embed = summed
+        return _Frames(seqs, host, (since, launched, finished))
+
+    def _read(self, frames: "_Frames") -> list[TalkerSeq]:
+        """A launched frame step's codes, read (the step's one wait on the device): each request's frame kept,
+        or its end; rows of requests ended or freed since are dropped. Returns the requests read."""
+        since, launched, finished = frames.marks
+        if isinstance(finished, torch.cuda.Event):
+            finished.synchronize()
+        rows = frames.codes.tolist()
+        n = len(frames.seqs)
+        talker, predictor = self._between(since, launched) / n, self._between(launched, finished) / n
+        read = []
+        for seq, row in zip(frames.seqs, rows):
+            seq.frames_unread -= 1
+            if seq.done or self.states.get(id(seq)) is None:
+                continue
+            read.append(seq)
             seq.seconds["talker"] += talker
             seq.seconds["code_predictor"] += predictor
             if row[0] == self.codec_eos:
-                seq.done, seq.eos = True, True
+                seq.done, seq.eos, seq.next_embed = True, True, None
                 continue
             seq.frames.append(row)
             if len(seq.frames) >= seq.params.max_tokens:
                 seq.done = True
-            else:
-                seq.next_embed = summed
+        return read
+
+    def _sample_first(self, seqs: list[TalkerSeq], logits: torch.Tensor) -> torch.Tensor:
+        """First codes [B] of the next frames of `seqs`, drawn on the device: the repetition penalty over the
+        codes each request drew before (its row of `seen`, read or not), then `sample_batch` (suppressed ids,
+        the end code banned below min_tokens, seeded draws); each drawn code marked seen."""
+        slots = upload([self.states[id(s)].slot for s in seqs], self.device, torch.long)
+        pens = [s.params.repetition_penalty for s in seqs]
+        if any(p != 1.0 for p in pens):
+            pen = upload(pens, self.device, torch.float32)[:, None]
+            logits = logits.float()
+            logits = torch.where(self.seen[slots], torch.where(logits < 0, logits * pen, logits / pen), logits)
+        frames = [len(s.frames) + s.frames_unread for s in seqs]
+        code0 = sample_batch(logits, [s.params for s in seqs], None, frames, [self.suppressed(s) for s in seqs],
+                             counters=frames)
+        self.seen[slots, code0] = True
+        return code0
 
     def _mark(self):
         """A point in the step's timeline: a CUDA event on a GPU (the device's time: the host no longer waits
@@ -272,11 +335,12 @@ class NativeTalker(SpeechEngine):
             positions = torch.full((3, b), float(cached), device=self.device)
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)
 
-    def _forward(self) -> list:
-        """One talker forward over what the scheduler picks; requests that caught up get their next first code."""
+    def _forward(self) -> "_Frames | None":
+        """One talker forward over what the scheduler picks; requests that caught up get their next frame
+        launched (first code, then the code predictor), not read."""
         work = self.scheduler.schedule()
         if not work:
-            return []
+            return None
         started, t0 = time.perf_counter(), self._mark()
         if self._graphable(work):
             hidden, logits = self._graph_rows(work)
@@ -290,15 +354,11 @@ class NativeTalker(SpeechEngine):
         self.scheduler.advance(work)
         if caught_up:  # their first codes, sampled on the device, and their frames straight after
             seqs = [work[i].seq.owner for i in caught_up]
-            frames = [len(s.frames) for s in seqs]
-            code0 = sample_batch(logits, [s.params for s in seqs], [[f[0] for f in s.frames] for s in seqs],
-                                 frames, [self.suppressed(s) for s in seqs], counters=frames)
-            self._predict_frames(seqs, code0, h, t0)
-        else:  # prompt rows only: nothing is read back, so the host's time is what there is to count
-            share = (time.perf_counter() - started) / len(work)
-            for w in work:
-                w.seq.owner.seconds["talker"] += share
-        return work
+            return self._launch_frames(seqs, self._sample_first(seqs, logits), h, t0)
+        share = (time.perf_counter() - started) / len(work)  # prompt rows only: nothing is read back, the host's time
+        for w in work:
+            w.seq.owner.seconds["talker"] += share
+        return None
 
     def _rows(self, work: list) -> torch.Tensor:
         """The talker's hidden states for every row of the step, eagerly."""
@@ -321,3 +381,12 @@ class NativeTalker(SpeechEngine):
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         hidden, logits = self.graphs.replay(b)
         return hidden[:n], logits[:n]  # valid until the next replay: the predictor copies the states before it
+
+
+@dataclass(eq=False)
+class _Frames:
+    """A frame step launched: its requests in row order, their codes [B, G] (pinned host memory a copy lands in,
+    on a GPU), and the step's timeline marks (talker start, predictor start, end)."""
+    seqs: list
+    codes: torch.Tensor
+    marks: tuple

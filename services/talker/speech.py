@@ -45,6 +45,7 @@ class TalkerSeq:
     past_hidden: torch.Tensor | None = None  # the reference engine's: talker output at the last position [1, 1, D]
     next_embed: torch.Tensor | None = None  # the native engine's: the last frame's summed code embeddings [D],
     # waiting for the text its next input adds
+    frames_unread: int = 0  # the native engine's: frames launched whose codes are not read yet
     frames: list[list[int]] = field(default_factory=list)
     decoded: int = 0  # frames already turned into audio (launched, perhaps not yet handed out)
     vocoding: int = 0  # chunks launched and not yet handed out
