@@ -140,8 +140,10 @@ class Reference:
         return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
 
     @torch.no_grad()
-    def generate(self, case: Case, max_tokens: int, speech: bool = False, frames: int = 16, voice: str = "ethan"):
-        """(generated token ids, codec codes [frames x groups] or None, waveform or None)."""
+    def generate(self, case: Case, max_tokens: int, speech: bool = False, frames: int = 16, voice: str = "ethan",
+                 repetition_penalty: float | None = None):
+        """(generated token ids, codec codes [frames x groups] or None, waveform or None); `repetition_penalty`:
+        the talker's, in place of its generation config's."""
         kw = self.inputs(case)
         n = kw["input_ids"].shape[1]
         kw["thinker_eos_token_id"] = self.spec.raw["im_end_token_id"]
@@ -157,8 +159,9 @@ class Reference:
 
         self.hf.code2wav.chunked_decode = capture
         try:
+            extra = {} if repetition_penalty is None else {"talker_repetition_penalty": repetition_penalty}
             seqs, waveform = self.hf.generate(**kw, thinker_max_new_tokens=max_tokens, thinker_do_sample=False,
-                                              talker_do_sample=False, talker_max_new_tokens=frames + 1, speaker=voice)
+                                              talker_do_sample=False, talker_max_new_tokens=frames + 1, speaker=voice, **extra)
         finally:
             self.hf.code2wav.chunked_decode = decode
         codes = captured["codes"][0].T.tolist() if "codes" in captured else []

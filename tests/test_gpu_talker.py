@@ -125,6 +125,32 @@ def test_audio_from_the_side_stream_equals_audio_waited_for(tmp_path):
             assert np.array_equal(a, b), name
 
 
+def test_overlapped_frame_steps_give_the_codes_of_plain_ones(tmp_path):
+    """Frame steps launched before the previous step's codes are read (the predictor's outputs copied out of its
+    graph before the next replay overwrites them) give the codes plain steps give: three greedy requests, the
+    same rows in every step either way, so the same kernels on the same inputs."""
+    from services.model.build import build_full_skeleton
+    from services.talker.engine import NativeTalker
+
+    model_dir = build_full_skeleton(tmp_path / "model")
+    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
+                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8)
+
+    def codes(overlap: bool) -> list:
+        engine.overlap = overlap
+        seqs = speech_requests(engine, model_dir)
+        while ready := [s for s in seqs if engine.ready(s)]:
+            engine.step(ready)
+            for s in seqs:
+                if s.done and id(s) in engine.states:
+                    engine.free(s)
+        return [s.frames for s in seqs]
+
+    plain = codes(False)
+    assert engine.overlapped == 0 and all(len(f) == 40 for f in plain)
+    assert codes(True) == plain and engine.overlapped > 30
+
+
 def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):
     """Chunks of each captured shape (first, second, steady), three requests padded to the graph of 4: the
     waveforms equal code2wav run eagerly on the three rows alone (bf16, full size, same kernels but for the batch)."""

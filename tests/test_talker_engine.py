@@ -177,6 +177,29 @@ def test_a_request_ending_on_the_end_code(tiny_model, cases, overlap):
     assert sorted(engine.free_slots) == list(range(len(engine.seen)))
 
 
+def test_a_strong_repetition_penalty_counts_codes_not_yet_read(tiny_model, hf_model, cases):
+    """Penalty 3.0, which changes the codes here (1.05 changes none of these): transformers' codes, plain and
+    overlapped; overlapped, a frame's first code is drawn before the one before it is read, so the penalty
+    must come from what the device has drawn, not from the frames the host holds."""
+    from references import Reference
+
+    data, spec = cases
+    ref = Reference(tiny_model, hf_model)
+    _, expected, _ = ref.generate(CASES["text"], TOKENS, speech=True, frames=FRAMES, repetition_penalty=3.0)
+    assert expected != data["text"]["codes"]
+    for overlap in (False, True):
+        engine = NativeTalker(tiny_model, overlap=overlap)
+        d = data["text"]
+        seq = TalkerSeq("text", d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=FRAMES, repetition_penalty=3.0), d["tts"])
+        engine.add(seq)
+        seq.inbox.append((d["embeds"], d["hidden"]))
+        seq.text_ended = True
+        while ready := [s for s in [seq] if engine.ready(s)]:
+            engine.step(ready)
+        assert seq.frames == expected, overlap
+        assert (engine.overlapped > 0) == overlap
+
+
 def test_a_request_larger_than_the_cache_is_refused(tiny_model, cases):
     from services.runtime.errors import ResourceExhausted
 
