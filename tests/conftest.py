@@ -100,9 +100,10 @@ def mesh(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def native_mesh(tiny_model, tmp_path_factory):
     """The mesh with the native thinker and talker engines (small blocks and budget: requests share steps and
-    chunk), the thinker's decode steps overlapped with its host work, and batched encoders."""
+    chunk), both engines' steps overlapped with their host work, and batched encoders."""
     small = {"engine": "native", "block_size": 8, "max_batched_tokens": 64, "kv_blocks": 256}
-    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker={**small, "overlap": True}, talker=small,
+    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker={**small, "overlap": True},
+                      talker={**small, "overlap": True},
                       encoder={"batch": True})
     yield m
     codes = m.stop()
