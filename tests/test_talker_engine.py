@@ -111,6 +111,7 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup):
                 seq.text_ended = True
         ready = [s for s in seqs.values() if engine.ready(s)]
         for seq, out in engine.step(ready) if ready else []:
+            assert out.chunks or out.finished  # nothing posted to a request's RPC for a step without news
             chunks[seq.request_id] += out.chunks
         for seq in seqs.values():
             if seq.done and id(seq) in engine.states:
