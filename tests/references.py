@@ -85,10 +85,11 @@ class Reference:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         from services.model.spec import OmniSpec
-        from services.preprocess.media import Preprocessor
+        from services.preprocess.media import PixelNorm, Preprocessor
         from services.runtime.config import Limits
 
         self.hf, self.spec = hf, OmniSpec.load(model_dir)
+        self.video_pixels = PixelNorm(model_dir)  # our video patches are uint8, normalised where the encoder runs
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
@@ -122,7 +123,8 @@ class Reference:
             kw.update(input_features=out["input_features"], feature_attention_mask=out["attention_mask"])
             counts["<|audio_pad|>"] = iter(audio_tokens(int(n)) for n in out["attention_mask"].sum(-1))
         if videos:
-            kw.update(pixel_values_videos=torch.from_numpy(np.concatenate([v.values for v in videos])),
+            pixels = self.video_pixels(torch.from_numpy(np.concatenate([v.values for v in videos])), torch.float32)
+            kw.update(pixel_values_videos=pixels,
                       video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
                       video_second_per_grid=torch.tensor([v.second_per_grid for v in videos]))
             counts["<|video_pad|>"] = iter(v.num_tokens for v in videos)

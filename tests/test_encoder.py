@@ -1,10 +1,11 @@
 """The encoder engine: one tower call per step for every request's media equals one call per item."""
 
+import numpy as np
 import torch
 
 from references import png, wav
 from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
-from services.preprocess.media import Preprocessor
+from services.preprocess.media import PixelNorm, Preprocessor, open_image
 from services.runtime.config import Limits
 
 
@@ -22,3 +23,21 @@ def test_batched_towers_equal_one_call_per_item(tiny_model):
             for dx, dy in zip(x.deepstack, y.deepstack):
                 torch.testing.assert_close(dy, dx, rtol=1e-5, atol=1e-6)
     assert [len(e.embeds) for _, enc in many.step(jobs()) for e in enc] == [f.num_tokens for f in feats]
+
+
+def test_pixels_normalised_where_the_encoder_runs_equal_the_processors(tiny_model):
+    """Preprocessing hands on the resized image's bytes (uint8 patches, a quarter of float32's); the encoder's
+    normalisation gives the floats transformers' image processor gives, to float32 rounding."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    pre, norm = Preprocessor(tiny_model, Limits()), PixelNorm(tiny_model)
+    processor = Qwen2VLImageProcessorPil.from_pretrained(tiny_model)
+    for data in (png(1, 64, 48), png(7, 300, 200)):
+        f = pre.image(data)
+        assert f.values.dtype == np.uint8
+        expected = processor(images=[open_image(data, Limits(), "x")], return_tensors="pt")["pixel_values"]
+        torch.testing.assert_close(norm(torch.from_numpy(f.values), torch.float32), expected, rtol=0, atol=1e-6)
+    floats = torch.randn(4, 1536)
+    assert torch.equal(norm(floats, torch.float32), floats)  # already normalised: passed through
+    on_cpu = Preprocessor(tiny_model, Limits(), pixels="float32").image(data)  # the A/B's other side
+    assert on_cpu.values.dtype == np.float32 and np.array_equal(on_cpu.values, norm(torch.from_numpy(f.values), torch.float32).numpy())

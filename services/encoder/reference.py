@@ -7,13 +7,14 @@ import torch
 
 from services.model.load import load_component
 from services.model.spec import audio_tokens
+from services.preprocess.media import PixelNorm
 from services.runtime.errors import InvalidArgument
 
 
 @dataclass
 class Item:
     kind: str  # "image" | "video" | "audio"
-    values: torch.Tensor  # image/video: [patches, C*T*P*P]; audio: [mel_bins, frames]
+    values: torch.Tensor  # image/video: [patches, C*T*P*P], uint8 pixels or normalised floats; audio: [mel_bins, frames]
     grid_thw: tuple[int, int, int] | None = None
 
 
@@ -43,6 +44,7 @@ class ReferenceEncoder:
         vc = self.vision.config
         self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         self.mel_bins = self.audio.config.num_mel_bins
+        self.pixels = PixelNorm(model_dir)  # uint8 patches normalised here, on the towers' device
 
     def add(self, job: EncodeJob) -> None:
         for i, item in enumerate(job.items):
@@ -86,7 +88,7 @@ class ReferenceEncoder:
         encoded: dict[int, Encoded] = {}
         visual = [i for i in items if i.kind != "audio"]
         if visual:
-            out = self.vision(torch.cat([i.values.to(self.device, self.dtype) for i in visual]),
+            out = self.vision(torch.cat([self.pixels(i.values.to(self.device), self.dtype) for i in visual]),
                               grid_thw=torch.tensor([i.grid_thw for i in visual], device=self.device))
             sizes = [i.grid_thw[0] * i.grid_thw[1] * i.grid_thw[2] // self.vision.spatial_merge_size**2 for i in visual]
             taps = [d.split(sizes) for d in out.deepstack_features]
@@ -105,9 +107,10 @@ class ReferenceEncoder:
         return [(job, [encoded[id(i)] for i in job.items]) for job in jobs]
 
     def _encode(self, item: Item) -> Encoded:
-        x = item.values.to(self.device, self.dtype)
         if item.kind == "audio":
+            x = item.values.to(self.device, self.dtype)
             lens = torch.tensor([x.shape[1]], device=self.device)
             return Encoded(self.audio(x, feature_lens=lens).last_hidden_state)
+        x = self.pixels(item.values.to(self.device), self.dtype)
         out = self.vision(x, grid_thw=torch.tensor([item.grid_thw], device=self.device))
         return Encoded(out.pooler_output, list(out.deepstack_features))

@@ -2,14 +2,21 @@
 
 Everything is checked before it is decoded in full: format, pixel count (decompression bombs),
 duration, and every failure says what was wrong with which item.
+
+Patches leave here as the resized image's own bytes (uint8), not normalised: a quarter of the bytes to
+hand from the decoder process to the server and on to the encoder, and no float pass on the CPU. The
+encoder normalises them on its device (`PixelNorm`), to the same floats the processor would have made.
 """
 
 import io
+import json
 import math
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from services.model.spec import audio_tokens
@@ -25,7 +32,7 @@ VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
 @dataclass
 class Features:
     kind: str  # "image" | "audio" | "video"
-    values: np.ndarray  # image/video: [patches, C*T*P*P]; audio: [mel_bins, frames]
+    values: np.ndarray  # image/video: [patches, C*T*P*P] uint8 pixels; audio: [mel_bins, frames] float32
     num_tokens: int
     grid_thw: tuple[int, int, int] | None = None
     feature_length: int = 0
@@ -57,20 +64,29 @@ def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
 class Preprocessor:
     """Uses the checkpoint's own processor settings (preprocessor_config.json)."""
 
-    def __init__(self, model_dir, limits: Limits, n_window: int = 50):
+    def __init__(self, model_dir, limits: Limits, n_window: int = 50, pixels: str = "uint8"):
         from transformers import WhisperFeatureExtractor
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
-        self.model_dir, self.limits, self.n_window = model_dir, limits, n_window
+        self.model_dir, self.limits, self.n_window, self.pixels = model_dir, limits, n_window, pixels
         self.merge = self.images.merge_size
+        if pixels not in ("uint8", "float32"):
+            raise ValueError(f"pixels must be uint8 or float32, not {pixels!r}")
+        self.normalise = PixelNorm(model_dir) if pixels == "float32" else None  # else the encoder does
 
     def image(self, data: bytes, where: str = "image") -> Features:
         img = open_image(data, self.limits, where)
-        out = self.images(images=[img], return_tensors="np")
+        out = self.images(images=[img], do_rescale=False, do_normalize=False, return_tensors="np")  # resized, patched
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        return Features("image", out["pixel_values"].astype(np.float32), grid[0] * grid[1] * grid[2] // self.merge**2, grid)
+        return Features("image", self._pixels(out["pixel_values"].astype(np.uint8)), grid[0] * grid[1] * grid[2] // self.merge**2, grid)
+
+    def _pixels(self, patches: np.ndarray) -> np.ndarray:
+        """uint8 patches as handed on: as they are, or normalised here (pixels: float32)."""
+        if self.normalise is None:
+            return patches
+        return self.normalise(torch.from_numpy(patches), torch.float32).numpy()
 
     def video(self, frames: list[bytes], fps: float, where: str = "video") -> Features:
         if not frames:
@@ -91,10 +107,7 @@ class Preprocessor:
             rh, rw = smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS)
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}") from None
-        mean, std = np.array(ip.image_mean, np.float32), np.array(ip.image_std, np.float32)
-        pixels = np.stack([
-            (np.asarray(im.resize((rw, rh), Image.BICUBIC), np.float32) * ip.rescale_factor - mean) / std for im in imgs
-        ]).transpose(0, 3, 1, 2)  # [T, C, H, W]
+        pixels = np.stack([np.asarray(im.resize((rw, rh), Image.BICUBIC)) for im in imgs]).transpose(0, 3, 1, 2)  # [T, C, H, W] uint8
         t_patch, p, m = ip.temporal_patch_size, ip.patch_size, self.merge
         if pad := -len(pixels) % t_patch:
             pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, axis=0)])
@@ -102,7 +115,7 @@ class Preprocessor:
         c = pixels.shape[1]
         patches = pixels.reshape(gt, t_patch, c, gh // m, m, p, gw // m, m, p)
         patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, c * t_patch * p * p)
-        return Features("video", np.ascontiguousarray(patches), gt * gh * gw // m**2, (gt, gh, gw),
+        return Features("video", self._pixels(np.ascontiguousarray(patches)), gt * gh * gw // m**2, (gt, gh, gw),
                         second_per_grid=t_patch / fps)
 
     def audio_file(self, data: bytes, where: str = "audio") -> Features:
@@ -158,3 +171,25 @@ class Preprocessor:
         frames = int(out["attention_mask"][0].sum())
         mel = np.ascontiguousarray(out["input_features"][0][:, :frames], dtype=np.float32)
         return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames)
+
+
+class PixelNorm:
+    """Patches of uint8 pixels [N, C*T*P*P] (channel-major, as the processor lays them out) to the model's input:
+    rescaled and normalised per channel in float32, the image processor's own steps and constants
+    (preprocessor_config.json), then cast. Float patches pass through as they are (already normalised)."""
+
+    def __init__(self, model_dir):
+        cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        self.rescale = float(cfg.get("rescale_factor", 1 / 255))
+        self.mean = torch.tensor(cfg.get("image_mean", [0.5, 0.5, 0.5]), dtype=torch.float32)
+        self.std = torch.tensor(cfg.get("image_std", [0.5, 0.5, 0.5]), dtype=torch.float32)
+        self.on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if values.dtype != torch.uint8:
+            return values.to(dtype)
+        if values.device not in self.on:
+            self.on[values.device] = self.mean.to(values.device)[None, :, None], self.std.to(values.device)[None, :, None]
+        mean, std = self.on[values.device]
+        x = values.float().view(values.shape[0], len(self.mean), -1)
+        return ((x * self.rescale - mean) / std).view(values.shape).to(dtype)

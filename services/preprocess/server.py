@@ -52,10 +52,10 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Fe
 _WORKER: Preprocessor | None = None
 
 
-def _init_worker(model_dir, limits, n_window) -> None:
+def _init_worker(model_dir, limits, n_window, pixels) -> None:
     global _WORKER
     single_threaded()
-    _WORKER = Preprocessor(model_dir, limits, n_window)
+    _WORKER = Preprocessor(model_dir, limits, n_window, pixels)
 
 
 def single_threaded() -> None:
@@ -82,7 +82,8 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
         if self.kind == "thread":
             return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="preprocess")
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window))
+                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window,
+                                                                       self.pre.pixels))
 
     async def start(self) -> None:
         """Starts every worker process before the stage says it is serving (their imports take seconds)."""
@@ -128,7 +129,7 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.preprocess.replicas[replica]
     if cfg.preprocess.pool == "thread":  # the decoders are this process's threads
         single_threaded()
-    pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
+    pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window, cfg.preprocess.pixels)
     transport = Transport(cfg.transport, f"preprocess{replica}", r.shm_domain)
     servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers, cfg.preprocess.pool)
     await servicer.start()

@@ -108,6 +108,10 @@ class PreprocessConfig:
     # Decoders per replica: worker processes (off the server's interpreter), or threads of it.
     workers: int = 2
     pool: Literal["process", "thread"] = "process"
+    # Image and video patches handed on as the resized pixels' bytes, normalised by the encoder on its device
+    # (uint8: a quarter of the bytes through the decoder pool, the transport and the copy to the GPU), or
+    # normalised here on the CPU (float32).
+    pixels: Literal["uint8", "float32"] = "uint8"
 
 
 @dataclass
