@@ -257,3 +257,33 @@ def test_a_predictor_frame_does_not_depend_on_padding_rows(tiny_model):
     padded_codes, padded_embeds = frame(5)
     assert torch.equal(padded_codes[:2], codes)
     torch.testing.assert_close(padded_embeds[:2], embeds)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_preempted_between_frames_draws_no_frame_twice(tiny_model, cases, overlap):
+    """A request whose last row is computed and its frame drawn, waiting for the text of its next input, is
+    preempted (its KV freed); recomputing its rows reaches the same row again and must not draw that frame
+    a second time: its codes stay transformers'."""
+    data, spec = cases
+    d = data["text"]
+    engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, overlap=overlap)
+    seq = TalkerSeq("text", d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), d["tts"])
+    engine.add(seq)
+    n = len(d["ids"])
+    fed = n + 4  # text for the first three frames' inputs only: then it waits
+    seq.inbox.append((d["embeds"][:fed], d["hidden"][:fed]))
+    preempted = False
+    for _ in range(200):
+        if seq.done:
+            break
+        if not engine.ready(seq):
+            state = engine.states[id(seq)]
+            if not preempted and state.pending == 0 and engine.pending is None and seq.frames_unread == 0:
+                engine.scheduler._preempt(state)  # what a full cache does to the most recent request
+                preempted = True  # its rows are recomputed in the next steps, the text still to come
+                continue
+            seq.inbox.append((d["embeds"][fed:], d["hidden"][fed:]))
+            seq.text_ended = True
+            continue
+        engine.step([seq])
+    assert preempted and seq.frames == d["codes"]

@@ -36,6 +36,7 @@ class TalkerState(SeqState):
     positions: list = field(default_factory=list)  # [3, n] per forward
     prompt_len: int = 0  # rows before the first frame's (their positions may differ across the three M-RoPE rows)
     slot: int = 0  # the request's row of the engine's `seen` codes
+    drawn: int = 0  # rows after which a frame was drawn: a recompute (after preemption) reaching them draws none
 
     def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         base = len(self.tokens) - len(self.inputs[-1])
@@ -346,16 +347,21 @@ class NativeTalker(SpeechEngine):
         if not work:
             return None
         started, t0 = time.perf_counter(), self._mark()
+        # Rows that reach a request's last input and draw its next frame; not a recompute of rows drawn from before.
+        caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens) > w.seq.drawn]
         if self._graphable(work):
             hidden, logits = self._graph_rows(work)
-            caught_up, h = list(range(len(work))), hidden
+            if len(caught_up) < len(work):
+                hidden, logits = hidden[caught_up], logits[caught_up]
+            h = hidden
         else:
             hidden = self._rows(work)
             last = torch.tensor([w.n for w in work]).cumsum(0) - 1
-            caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens)]
             h = hidden[last[caught_up]] if caught_up else None
             logits = self.talker.codec_head(h) if caught_up else None
         self.scheduler.advance(work)
+        for i in caught_up:
+            work[i].seq.drawn = len(work[i].seq.tokens)
         if caught_up:  # their first codes, sampled on the device, and their frames straight after
             seqs = [work[i].seq.owner for i in caught_up]
             return self._launch_frames(seqs, self._sample_first(seqs, logits), h, t0)
