@@ -166,10 +166,10 @@ def _busy(device: str) -> None:
         torch.cuda._sleep(600_000_000)
 
 
-def _read_while_busy(first: bytes, second: bytes, device: str, expected, report) -> None:
+def _read_while_busy(first: bytes, second: bytes, device: str, expected, report, cfg=CFG) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "busyread", "local")
+    t = Transport(cfg, "busyread", "local")
     torch.zeros(1, device=device)
     t.get(tensor_pb2.TensorRef.FromString(first), device)  # maps the pool (opening a handle may wait for the device)
     with torch.cuda.device(device):
@@ -179,12 +179,16 @@ def _read_while_busy(first: bytes, second: bytes, device: str, expected, report)
     report.send((still_busy, torch.equal(got.cpu(), expected)))
 
 
-def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work():
+@pytest.mark.parametrize("copy", ["memcpy", "kernel"])
+def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work(copy):
     """A stage's engine keeps its stream busy: a put given its tensor's `ready` event, and a get, return while
     that work still runs (their copies run on the transport's own streams), with the bytes exact."""
+    from dataclasses import replace
+
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "busyput", "local")
+    cfg = replace(CFG, cuda_copy=copy)
+    t = Transport(cfg, "busyput", "local")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     x = tensor(3, "cuda:0")
     t.cuda_pool(torch.device("cuda:0"))  # the pool exists before the stream is kept busy
@@ -204,7 +208,7 @@ def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work()
     for device in devices():
         r, w = ctx.Pipe(duplex=False)
         refs = [t.put(x, placement).SerializeToString() for _ in range(2)]
-        proc = ctx.Process(target=_read_while_busy, args=(*refs, device, x.cpu(), w))
+        proc = ctx.Process(target=_read_while_busy, args=(*refs, device, x.cpu(), w, cfg))
         proc.start()
         assert r.poll(120)
         still_busy, exact = r.recv()

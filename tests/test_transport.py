@@ -133,3 +133,17 @@ def test_many_transfers_between_processes_leave_the_pool_empty():
     consumers = [r for r in results if r[0] == "consumer"]
     assert sum(r[2] for r in consumers) == 2000 and all(r[3] == 0 for r in consumers), results
     assert [r[2] for r in results if r[0] == "producer"] == [0, 0]
+
+
+def test_copies_by_kernel_are_byte_exact_at_any_alignment():
+    """The pools' same-GPU copy by an elementwise kernel (transport.cuda_copy: kernel) over the widest integers
+    the two addresses allow: byte-exact for odd sizes and offsets (run here on CPU tensors, the same ops)."""
+    from services.runtime.cuda_ipc import copy_bytes
+
+    pool = torch.zeros(4096, dtype=torch.uint8)
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    for offset, start, n in [(0, 0, 1024), (8, 16, 1000), (4, 12, 36), (2, 6, 10), (1, 3, 7), (3, 0, 1)]:
+        pool.zero_()
+        copy_bytes(pool[offset:offset + n], src[start:start + n], kernel=True)
+        assert torch.equal(pool[offset:offset + n], src[start:start + n]) and not pool[:offset].any()
+        assert not pool[offset + n:].any()

@@ -25,9 +25,10 @@ def _check_allocator() -> None:
 class CudaPool:
     """A producer's buffer on one GPU, its exported handle, and its slot table."""
 
-    def __init__(self, owner: str, device: torch.device, size: int, max_slots: int, reclaim_after_s: float):
+    def __init__(self, owner: str, device: torch.device, size: int, max_slots: int, reclaim_after_s: float,
+                 kernel_copy: bool = False):
         _check_allocator()
-        self.device = device
+        self.device, self.kernel_copy = device, kernel_copy
         self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         self.table = ShmPool(f"omni-{owner}-cuda{device.index}-{os.getpid()}", size, max_slots, reclaim_after_s, host_data=False)
         _, args = reduce_tensor(self.buffer)
@@ -48,14 +49,15 @@ class CudaPool:
             return None
         slot, gen, offset = got
         dst = self.buffer[offset:offset + nbytes]
+        src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         if ready is None:
-            dst.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            copy_bytes(dst, src, self.kernel_copy)
             torch.cuda.current_stream(self.device).synchronize()
         else:
             stream = _stream(self.device)
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
-                dst.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+                copy_bytes(dst, src, self.kernel_copy)
             stream.synchronize()
         return tensor_pb2.CudaIpcSlot(pool=self.table.name, slot=slot, generation=gen, offset=offset, nbytes=nbytes, handle=self.handle)
 
@@ -83,7 +85,22 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
-def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device) -> torch.Tensor:
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor, kernel: bool = False) -> None:
+    """dst.copy_(src) for flat uint8 tensors of one size. With `kernel`, on one device, an elementwise kernel
+    does it instead of the copy engine, over the widest integers both addresses' alignment allows."""
+    if not kernel or dst.device != src.device:
+        dst.copy_(src)
+        return
+    for wide in (torch.int64, torch.int32, torch.int16):
+        size = wide.itemsize
+        if dst.numel() % size == 0 and dst.data_ptr() % size == 0 and src.data_ptr() % size == 0:
+            torch.bitwise_or(src.view(wide), 0, out=dst.view(wide))
+            return
+    torch.bitwise_or(src, 0, out=dst)
+
+
+def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device,
+         kernel_copy: bool = False) -> torch.Tensor:
     """A copy, on `device`, of the tensor at `offset` of a mapped pool; complete when this returns.
 
     The copy runs on a stream of its own and only it is waited for: the producer finished writing before it
@@ -93,7 +110,11 @@ def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sha
     source = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
     stream = _stream(target if target.type == "cuda" else buffer.device)  # into host memory: on the pool's GPU
     with torch.cuda.stream(stream):
-        out = source.to(target, copy=True)
+        if kernel_copy and target == buffer.device:
+            out = torch.empty(shape, dtype=dtype, device=target)
+            copy_bytes(out.reshape(-1).view(torch.uint8), buffer[offset:offset + nbytes], kernel=True)
+        else:
+            out = source.to(target, copy=True)
     stream.synchronize()
     if target.type == "cuda":
         # Allocated on the read stream, used on the consumer's: its memory is not reused before that use is done.
