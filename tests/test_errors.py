@@ -221,3 +221,40 @@ def test_speech_that_ends_before_its_text_leaves_nothing_held(any_mesh, run):
     assert len(res.token_ids) == 60 and len(res.codes) == 2
     held = _wait_released(mesh, timeout=3.0)  # the tests' reclaim time is 10 s
     assert all(v == (0, 0, 0) for v in held.values()), held
+
+
+def test_thinker_states_out_of_order_fail_the_talker_call_at_once(any_mesh):
+    """A caller of the talker stage whose states skip positions gets INVALID_ARGUMENT naming it at once, its
+    stream still open, and the talker serves the next request."""
+    mesh = any_mesh
+    import torch
+    from transformers import AutoTokenizer
+
+    from omni.stage.v1 import talker_pb2, talker_pb2_grpc
+    from services.model.spec import OmniSpec
+    from services.runtime.config import TransportConfig
+    from services.runtime.transport import Transport
+
+    cfg = mesh.cfg
+    hidden = OmniSpec.load(cfg.model.dir).thinker_hidden
+    ids = AutoTokenizer.from_pretrained(cfg.model.dir).apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    inline = Transport(TransportConfig(shm=False, cuda_ipc=False), "test", "")
+    start = talker_pb2.TalkerStart(request_id="ooo", prompt_ids=ids, voice="", tts_embeds=inline.put(torch.zeros(3, hidden), None))
+    start.sampling.max_tokens = 4
+    rows = inline.put(torch.zeros(2, hidden), None)
+
+    def messages():
+        yield talker_pb2.TalkerInput(start=start)
+        yield talker_pb2.TalkerInput(states=talker_pb2.ThinkerStates(start=5, embeds=rows, hidden=rows))
+        time.sleep(30)  # the stream stays open: the error must not wait for its end
+        yield talker_pb2.TalkerInput(end=talker_pb2.TextEnd())
+
+    with grpc.insecure_channel(cfg.talker.replicas[0].address) as ch:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(talker_pb2_grpc.TalkerStub(ch).Synthesize(messages(), timeout=20))
+    assert e.value.code() == INVALID and "out of order" in e.value.details()
+    assert time.monotonic() - t0 < 10
+    assert generate(mesh.gateway_address, user(("text", "next")).request(speech=True, max_tokens=3, frames=3)).finished is not None

@@ -36,11 +36,12 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
             tts_embeds=self.transport.get(start.tts_embeds, self.engine.device),
         )
 
-    async def _feed(self, inputs, seq: TalkerSeq) -> None:
+    async def _feed(self, inputs, seq: TalkerSeq, handle) -> None:
         """Moves the thinker's states into the request as they arrive, in order. Once the speech is done
         (its frames, or its end code, may come before the text ends), states still arriving are released
         unread: the call stays open until the caller says the text ended, so the caller never writes to a
-        call that is over, and no slot waits to be reclaimed."""
+        call that is over, and no slot waits to be reclaimed. A bad input stream fails the request at once,
+        through its outputs (it may be waiting for states that will never come)."""
         expected = 0
         try:
             async for msg in inputs:
@@ -57,6 +58,8 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                 elif msg.HasField("end"):
                     break
                 self.worker.notify()
+        except Exception as exc:  # noqa: BLE001 - out-of-order states, an unreadable ref: this request fails alone
+            handle.post(exc)
         finally:
             seq.text_ended = True
             self.worker.notify()
@@ -68,12 +71,10 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
             raise InvalidArgument("the first message must be a TalkerStart")
         seq = self._seq(first.start)
         handle = self.worker.submit(seq)
-        feeder = asyncio.create_task(self._feed(request_iterator, seq))
+        feeder = asyncio.create_task(self._feed(request_iterator, seq, handle))
         finished = False
         try:
             async for step in handle.outputs():
-                if feeder.done() and feeder.exception() is not None:
-                    raise feeder.exception()
                 for chunk in step.chunks:
                     TOKENS.labels("talker").inc(len(chunk.codes))
                     yield talker_pb2.TalkerOutput(chunk=talker_pb2.SpeechChunk(
