@@ -213,11 +213,22 @@ def talker_cells(cfg: MeshConfig, device: str, args):
     feed = TalkerFeed(engine, cfg, args.seed, args.talker_prompt_bytes)
     batch = feed.batch
 
-    def run(seqs) -> list[float]:
-        walls = []
-        while ready := [s for s in seqs if engine.ready(s)]:
-            walls.append(timed(lambda: engine.step(ready), dev)[0])
-        return walls
+    def run(seqs) -> tuple[float, float, int]:
+        """(prefill seconds: the first step, every sequence's prompt, drained; decode seconds: every later step
+        back to back, the device drained once at the end; decode steps). No drain between steps: it would undo
+        what overlaps, a frame step's launch with the previous one's device work (talker.overlap) and code2wav
+        on its own stream."""
+        prefill_s, _ = timed(lambda: engine.step([s for s in seqs if engine.ready(s)]), dev)
+        steps = 0
+
+        def decode():
+            nonlocal steps
+            while ready := [s for s in seqs if engine.ready(s)]:
+                engine.step(ready)
+                steps += 1
+
+        decode_s, _ = timed(decode, dev)
+        return prefill_s, decode_s, steps
 
     warm = batch(1, 3)
     run(warm)
@@ -225,15 +236,15 @@ def talker_cells(cfg: MeshConfig, device: str, args):
         engine.free(s)
     for b in args.batches:
         seqs = batch(b, args.frames)
-        walls = run(seqs)
-        decode_s = sum(walls[1:])  # the first step is every sequence's prefill
+        prefill_s, decode_s, steps = run(seqs)
         frames = sum(len(s.frames) for s in seqs)
         split = {part: sum(s.seconds[part] for s in seqs) for part in ("talker", "code_predictor", "code2wav")}
         for s in seqs:
             engine.free(s)
         yield {"stage": "talker", "mode": "decode", "batch": b, "frames": frames, "seconds": decode_s,
-               "frames_per_s": frames / decode_s, "audio_s_per_s": frames / FRAMES_PER_SECOND / decode_s, "prefill_ms": 1000 * walls[0],
-               "step_ms": 1000 * statistics.median(walls[1:]), **{f"{k}_s": v for k, v in split.items()},
+               "frames_per_s": frames / decode_s, "audio_s_per_s": frames / FRAMES_PER_SECOND / decode_s,
+               "prefill_ms": 1000 * prefill_s, "steps": steps, "step_ms": 1000 * decode_s / max(steps, 1),
+               **{f"{k}_s": v for k, v in split.items()},
                **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}
 
 
