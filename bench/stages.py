@@ -230,20 +230,38 @@ def talker_cells(cfg: MeshConfig, device: str, args):
         decode_s, _ = timed(decode, dev)
         return prefill_s, decode_s, steps
 
+    stream = getattr(engine, "vocode_stream", None)
+
+    def use(mode: str) -> None:
+        """The native engine switched to `mode` (both switches are read per step)."""
+        if mode == "config":
+            return
+        if not hasattr(engine, "overlap"):
+            raise SystemExit(f"--talker-modes {mode}: the {cfg.talker.engine} talker has no such switches")
+        base, inline = mode.removesuffix("-c2w-inline"), mode.endswith("-c2w-inline")
+        if base not in ("plain", "overlap"):
+            raise SystemExit(f"unknown talker mode {mode!r}")
+        engine.overlap = base == "overlap"
+        engine.vocode_stream = None if inline else stream
+
     warm = batch(1, 3)
     run(warm)
     for s in warm:
         engine.free(s)
-    for b in args.batches:
+    for b, mode in [(b, m) for b in args.batches for m in args.talker_modes.split(",")]:
+        use(mode)
         seqs = batch(b, args.frames)
+        overlapped = getattr(engine, "overlapped", 0)
         prefill_s, decode_s, steps = run(seqs)
+        overlapped = getattr(engine, "overlapped", 0) - overlapped
         frames = sum(len(s.frames) for s in seqs)
         split = {part: sum(s.seconds[part] for s in seqs) for part in ("talker", "code_predictor", "code2wav")}
         for s in seqs:
             engine.free(s)
-        yield {"stage": "talker", "mode": "decode", "batch": b, "frames": frames, "seconds": decode_s,
+        yield {"stage": "talker", "mode": "decode" if mode == "config" else f"decode {mode}", "batch": b, "frames": frames,
+               "seconds": decode_s,
                "frames_per_s": frames / decode_s, "audio_s_per_s": frames / FRAMES_PER_SECOND / decode_s,
-               "prefill_ms": 1000 * prefill_s, "steps": steps, "step_ms": 1000 * decode_s / max(steps, 1),
+               "prefill_ms": 1000 * prefill_s, "steps": steps, "overlapped_steps": overlapped, "step_ms": 1000 * decode_s / max(steps, 1),
                **{f"{k}_s": v for k, v in split.items()},
                **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}
 
@@ -304,6 +322,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--frames", type=int, default=16, help="talker frames per sequence")
     p.add_argument("--talker-prompt-bytes", type=int, default=32)
+    p.add_argument("--talker-modes", default="config",
+                   help="native talker, each batch under each mode on one engine (one build, one capture): config, "
+                        "plain, overlap; a -c2w-inline suffix waits for code2wav in the frame loop (no side stream)")
     p.add_argument("--encoder-batches", type=ints, default=[1, 8, 32])
     p.add_argument("--preprocess-items", type=int, default=8)
     p.add_argument("--image-size", type=int, default=512)

@@ -184,6 +184,21 @@ def test_stage_benchmarks(bench_dir):
     assert report.main([str(out)])[0].read_text().count("## ") == 5
 
 
+def test_talker_modes_share_one_engine(bench_dir):
+    """--talker-modes measures each batch plain and overlapped on one native talker (one build): the same
+    frames either way, each cell named by its mode; a mode the engine lacks is refused by name."""
+    out = bench_dir / "talker-modes.json"
+    stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "talker", "--batches", "2",
+                 "--frames", "5", "--talker-modes", "plain,overlap,overlap-c2w-inline", "--set", "talker.engine=native"])
+    cells = results.read(out)["cells"]
+    assert [c["mode"] for c in cells] == ["decode plain", "decode overlap", "decode overlap-c2w-inline"]
+    assert all(c["frames"] == 10 and c["steps"] > 0 for c in cells)
+    assert [c["overlapped_steps"] > 0 for c in cells] == [False, True, True]
+    with pytest.raises(SystemExit, match="no such switches"):
+        stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(bench_dir / "none.json"), "--stages", "talker",
+                     "--batches", "1", "--frames", "2", "--talker-modes", "overlap"])
+
+
 @pytest.mark.parametrize("stage", ["thinker", "talker"])
 def test_step_profiles(bench_dir, stage, capsys):
     """bench.profile_step prints the host's profile and torch.profiler's table for a stage's steps (native engines)."""
