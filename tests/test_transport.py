@@ -135,9 +135,41 @@ def test_many_transfers_between_processes_leave_the_pool_empty():
     assert [r[2] for r in results if r[0] == "producer"] == [0, 0]
 
 
+COPY_CHILD = """
+import json, sys, torch
+from services.runtime import cuda_ipc
+assert cuda_ipc.triton is not None
+pool, src = torch.zeros(4096, dtype=torch.uint8), torch.randint(0, 256, (4096,), dtype=torch.uint8)
+exact = []
+for offset, start, n in [(0, 0, 4096), (8, 16, 1000), (4, 12, 36), (2, 6, 10), (1, 3, 7), (3, 0, 1)]:
+    pool.zero_()
+    cuda_ipc.copy_bytes(pool[offset:offset + n], src[start:start + n], kernel=True)
+    exact.append(bool(torch.equal(pool[offset:offset + n], src[start:start + n]) and not pool[:offset].any()
+                      and not pool[offset + n:].any()))
+json.dump(exact, sys.stdout)
+"""
+
+
+def test_the_triton_copy_kernel_is_byte_exact_at_any_alignment():
+    """transport.cuda_copy: kernel on a GPU host runs our Triton copy kernel (also across GPUs): here in
+    Triton's CPU interpreter, in a child process (the interpreter is chosen when kernels are defined)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", COPY_CHILD], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True] * 6
+
+
 def test_copies_by_kernel_are_byte_exact_at_any_alignment():
-    """The pools' same-GPU copy by an elementwise kernel (transport.cuda_copy: kernel) over the widest integers
-    the two addresses allow: byte-exact for odd sizes and offsets (run here on CPU tensors, the same ops)."""
+    """The pools' copy by a kernel (transport.cuda_copy: kernel) where Triton is not at hand: a torch elementwise
+    op over the widest integers the two addresses allow, byte-exact for odd sizes and offsets."""
     from services.runtime.cuda_ipc import copy_bytes
 
     pool = torch.zeros(4096, dtype=torch.uint8)

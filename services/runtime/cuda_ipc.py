@@ -5,8 +5,13 @@ handle, and a consumer maps each pool the first time it sees it and keeps the ma
 another GPU reads through peer access into its own memory. The slot table (release, reclaim) is a
 ShmPool without host data. Exported memory must not come from expandable segments: PyTorch cannot
 share those.
+
+Copies in and out of a pool go through the copy engine (memcpy), or with `kernel` through a Triton kernel
+of our own on the destination's GPU, which reads another GPU's pool through peer access (an SM-driven copy
+can draw more of NVLink than the copy engine does).
 """
 
+import contextlib
 import os
 
 import torch
@@ -14,6 +19,21 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from omni.stage.v1 import tensor_pb2
 from services.runtime.transport import ShmPool
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton: copies by torch ops
+    triton = None
+
+COPY_BLOCK = 4096  # elements per program of the copy kernel
+
+if triton is not None:
+    @triton.jit
+    def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def _check_allocator() -> None:
@@ -86,17 +106,36 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor, kernel: bool = False) -> None:
-    """dst.copy_(src) for flat uint8 tensors of one size. With `kernel`, on one device, an elementwise kernel
-    does it instead of the copy engine, over the widest integers both addresses' alignment allows."""
-    if not kernel or dst.device != src.device:
+    """dst.copy_(src) for flat uint8 tensors of one size. With `kernel`, a kernel on the destination's device
+    does it instead of the copy engine (Triton's where it is installed: also from another GPU's memory, through
+    peer access; else an elementwise torch op, one device only), over the widest integers both addresses allow."""
+    if not kernel:
         dst.copy_(src)
         return
-    for wide in (torch.int64, torch.int32, torch.int16):
-        size = wide.itemsize
-        if dst.numel() % size == 0 and dst.data_ptr() % size == 0 and src.data_ptr() % size == 0:
-            torch.bitwise_or(src.view(wide), 0, out=dst.view(wide))
-            return
-    torch.bitwise_or(src, 0, out=dst)
+    wide = next((w for w in (torch.int64, torch.int32, torch.int16)
+                 if dst.numel() % w.itemsize == 0 and dst.data_ptr() % w.itemsize == 0 and src.data_ptr() % w.itemsize == 0),
+                torch.uint8)
+    d, s = dst.view(wide), src.view(wide)
+    if triton is not None and (dst.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        if dst.device != src.device:
+            _peer_access(dst.device, src.device)
+        with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():  # launched where it writes
+            _copy_kernel[(triton.cdiv(d.numel(), COPY_BLOCK),)](s, d, d.numel(), BLOCK=COPY_BLOCK)
+    elif dst.device == src.device:
+        torch.bitwise_or(s, 0, out=d)
+    else:
+        dst.copy_(src)
+
+
+_PEERS: set[tuple[torch.device, torch.device]] = set()
+
+
+def _peer_access(device: torch.device, peer: torch.device) -> None:
+    """Lets kernels on `device` read `peer`'s memory: PyTorch enables peer access for a pair on the first copy
+    between them, so one byte is copied once per pair."""
+    if (device, peer) not in _PEERS:
+        torch.empty(1, dtype=torch.uint8, device=device).copy_(torch.zeros(1, dtype=torch.uint8, device=peer))
+        _PEERS.add((device, peer))
 
 
 def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device,
@@ -110,7 +149,7 @@ def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sha
     source = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
     stream = _stream(target if target.type == "cuda" else buffer.device)  # into host memory: on the pool's GPU
     with torch.cuda.stream(stream):
-        if kernel_copy and target == buffer.device:
+        if kernel_copy and target.type == "cuda" and (target == buffer.device or triton is not None):
             out = torch.empty(shape, dtype=dtype, device=target)
             copy_bytes(out.reshape(-1).view(torch.uint8), buffer[offset:offset + nbytes], kernel=True)
         else:
