@@ -78,7 +78,7 @@ def late(launch):
 
     def launched_late(group):
         job = launch(group)
-        job.done, job.timing = LateEvent(3, launched), LateEvent(0, [])
+        job.begin, job.end = LateEvent(0, []), LateEvent(3, launched)
         return job
     launched_late.events = launched
     return launched_late

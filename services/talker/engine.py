@@ -23,7 +23,7 @@ from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
 from services.talker.model import TalkerModel
-from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep
+from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep, mark, seconds_between, wait_for
 
 GREEDY = SamplingParams()
 PLACEHOLDER = -1  # a talker token (first code) not read back from the device: its value is never needed there
@@ -228,14 +228,14 @@ class NativeTalker(SpeechEngine):
         from its states `hidden` [B, D]: the code predictor queued straight after that step, its codes on their
         way to host memory. Each request that may go on keeps its frame's summed code embeddings for its next
         input (one whose frame turns out to be the end code is stopped when the codes are read)."""
-        launched = self._mark()
+        launched = mark(self.device)
         codes, embeds = self._predict(seqs, code0, hidden)
         sums = embeds.sum(1)
         host = codes
         if codes.is_cuda:  # the next replay overwrites the predictor's outputs: copied out before it
             host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
             host.copy_(codes, non_blocking=True)
-        finished = self._mark()
+        finished = mark(self.device)  # on a GPU the host no longer waits between the talker and the predictor
         for seq, summed in zip(seqs, sums):
             seq.frames_unread += 1
             if len(seq.frames) + seq.frames_unread < seq.params.max_tokens:
@@ -246,11 +246,10 @@ class NativeTalker(SpeechEngine):
         """A launched frame step's codes, read (the step's one wait on the device): each request's frame kept,
         or its end; rows of requests ended or freed since are dropped. Returns the requests read."""
         since, launched, finished = frames.marks
-        if isinstance(finished, torch.cuda.Event):
-            finished.synchronize()
+        wait_for(finished)
         rows = frames.codes.tolist()
         n = len(frames.seqs)
-        talker, predictor = self._between(since, launched) / n, self._between(launched, finished) / n
+        talker, predictor = seconds_between(since, launched) / n, seconds_between(launched, finished) / n
         read = []
         for seq, row in zip(frames.seqs, rows):
             seq.frames_unread -= 1
@@ -282,19 +281,6 @@ class NativeTalker(SpeechEngine):
                              counters=frames)
         self.seen[slots, code0] = True
         return code0
-
-    def _mark(self):
-        """A point in the step's timeline: a CUDA event on a GPU (the device's time: the host no longer waits
-        between the talker and the predictor), the host's clock elsewhere."""
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    @staticmethod
-    def _between(a, b) -> float:
-        return a.elapsed_time(b) / 1000 if isinstance(a, torch.cuda.Event) else b - a
 
     def _predict(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes [B, G] of the frames of `seqs`, and their code embeddings [B, G, D]: first codes and talker
@@ -346,14 +332,13 @@ class NativeTalker(SpeechEngine):
         work = self.scheduler.schedule()
         if not work:
             return None
-        started, t0 = time.perf_counter(), self._mark()
+        started, t0 = time.perf_counter(), mark(self.device)
         # Rows that reach a request's last input and draw its next frame; not a recompute of rows drawn from before.
         caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens) > w.seq.drawn]
         if self._graphable(work):
-            hidden, logits = self._graph_rows(work)
+            h, logits = self._graph_rows(work)
             if len(caught_up) < len(work):
-                hidden, logits = hidden[caught_up], logits[caught_up]
-            h = hidden
+                h, logits = h[caught_up], logits[caught_up]
         else:
             hidden = self._rows(work)
             last = torch.tensor([w.n for w in work]).cumsum(0) - 1

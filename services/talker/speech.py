@@ -69,14 +69,37 @@ class TalkerStep:
     finished: bool = False
 
 
+def mark(device: torch.device):
+    """A point on the device's timeline: a CUDA event recorded on the current stream on a GPU, the host's clock
+    elsewhere (where the work between two marks is done when the second is taken)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def reached(m) -> bool:
+    return not hasattr(m, "query") or m.query()
+
+
+def wait_for(m) -> None:
+    if hasattr(m, "synchronize"):
+        m.synchronize()
+
+
+def seconds_between(a, b) -> float:
+    return a.elapsed_time(b) / 1000 if hasattr(a, "elapsed_time") else b - a
+
+
 @dataclass(eq=False)
 class Vocoding:
     """code2wav launched for a group of chunks (one length and left context); its waveforms are in host
-    memory once `done` has passed."""
+    memory once its `end` mark is reached."""
     chunks: list[tuple[TalkerSeq, int, int]]  # (request, first frame, end frame)
     pcm: torch.Tensor  # [B, samples] float32: pinned host memory a side stream copies into, or already there
-    done: object | None  # a CUDA event recorded after that copy; None: complete when launched
-    timing: object  # seconds it took (complete at launch), or the CUDA event recorded before the work
+    begin: object  # marks (see `mark`) before the work and after the copy out
+    end: object
 
 
 
@@ -272,13 +295,13 @@ class SpeechEngine:
             for group in groups.values():
                 self.vocoding.append(self._launch(group))
         if self.vocoding and any(s.done and s.vocoding for s in seqs):
-            self._wait(self.vocoding[-1])  # one stream: everything launched before it is complete too
+            wait_for(self.vocoding[-1].end)  # one stream: everything launched before it is complete too
         elif self.vocoding and wait:
-            self._wait(self.vocoding[0])
+            wait_for(self.vocoding[0].end)
         out: dict[int, tuple[TalkerSeq, list[SpeechChunk]]] = {}
-        while self.vocoding and (self.vocoding[0].done is None or self.vocoding[0].done.query()):
+        while self.vocoding and reached(self.vocoding[0].end):
             job = self.vocoding.popleft()
-            seconds = job.timing if job.done is None else job.timing.elapsed_time(job.done) / 1000
+            seconds = seconds_between(job.begin, job.end)
             for (s, start, end), wav in zip(job.chunks, job.pcm.numpy()):
                 s.vocoding -= 1
                 if id(s) in self.live:
@@ -289,7 +312,6 @@ class SpeechEngine:
     def _launch(self, group: list) -> Vocoding:
         """code2wav for one group of chunks: on the side stream (into pinned host memory, an event after the
         copy) where there is one, else run to completion here."""
-        t0 = time.perf_counter()
         codes = [s.frames[start - ctx:end] for s, start, end, ctx in group]
         skip = group[0][3] * self.samples_per_frame  # the left context's samples
         for s, _, end, _ in group:
@@ -297,18 +319,12 @@ class SpeechEngine:
             s.vocoding += 1
         chunks = [(s, start, end) for s, start, end, _ in group]
         if self.vocode_stream is None:
+            begin = time.perf_counter()
             pcm = self._code2wav(codes)[:, 0, skip:].float().cpu()
-            return Vocoding(chunks, pcm, None, time.perf_counter() - t0)
-        begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            return Vocoding(chunks, pcm, begin, time.perf_counter())
         with torch.cuda.stream(self.vocode_stream):
-            begin.record()
+            begin = mark(self.device)
             wavs = self._code2wav(codes)[:, 0, skip:].float()
             pcm = torch.empty(wavs.shape, dtype=torch.float32, pin_memory=True)
             pcm.copy_(wavs, non_blocking=True)  # wavs' memory is this stream's: not reused before the copy
-            done.record()
-        return Vocoding(chunks, pcm, done, begin)
-
-    @staticmethod
-    def _wait(job: Vocoding) -> None:
-        if job.done is not None:
-            job.done.synchronize()
+            return Vocoding(chunks, pcm, begin, mark(self.device))
