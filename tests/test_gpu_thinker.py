@@ -228,3 +228,26 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
                     assert torch.equal(captured, eager), (n, name)
                 else:
                     assert rel(captured, eager) < 0.005, (n, name)
+
+
+def test_grouped_experts_give_the_same_bits_every_run():
+    """A prefill-sized step through the grouped GEMM (bf16, and fp8 weights): five runs give the same bits. Its
+    rows are combined per token in a fixed order, not added with atomics (whose order varies run to run, so the
+    same prompt could draw different tokens), and within one float32 rounding of a float64 reference."""
+    from services.llm import fp8, moe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, h, i, e, k = 1024, 2048, 768, 128, 8  # the thinker's experts, a 1024-token chunk
+    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
+    weights = torch.softmax(torch.randn(t, k, device="cuda", generator=g), -1).to(torch.bfloat16)
+    gate_up = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).to(torch.bfloat16)
+    runs = [moe.grouped(x, ids, weights, gate_up, down) for _ in range(5)]
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    ref = moe.loop(x.double(), ids, weights.double(), gate_up.double(), down.double())
+    rel = ((runs[0].double() - ref).norm() / ref.norm()).item()
+    assert rel < 0.01, f"grouped against float64: relative L2 {rel:.4f}"
+    (gq, gs), (dq, ds) = fp8.quantize(gate_up), fp8.quantize(down)  # per output channel
+    runs = [fp8.grouped(x, ids, weights, gq, gs, dq, ds) for _ in range(5)]
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])

@@ -12,7 +12,7 @@ from torch import nn
 from services.llm import triton_moe
 from services.llm.context import get_context
 from services.llm.layers import Experts
-from services.llm.moe import by_expert, moe_experts
+from services.llm.moe import by_expert, combine, moe_experts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -159,8 +159,7 @@ def grouped(x, ids, weights, gate_up, gate_up_scale, down, down_scale) -> torch.
     gate, up = h.chunk(2, dim=-1)
     aq, a_scale = quantize_tokens(F.silu(gate) * up)
     y = torch._scaled_grouped_mm(aq, down.transpose(1, 2), a_scale[:, 0], down_scale, offs=offs, out_dtype=torch.bfloat16)
-    y = y * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+    return combine(y, order, weights, x.dtype)
 
 
 OPS = {"grouped": grouped}  # services.llm.layers.fuse() compiles it: the activations' quantisation fused

@@ -57,8 +57,17 @@ def grouped(x, ids, weights, gate_up, down):
     h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T*k, H]
-    y = y * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+    return combine(y, order, weights, x.dtype)
+
+
+def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Routed rows `y` [T*k, H], in expert order (`order` from by_expert), back to their tokens [T, H]: each
+    token's k rows weighted and summed in float32, then rounded once, as the Triton kernels combine. An
+    index_add_ would add them with atomics, in an order (and with bf16 roundings between) that changes from run
+    to run: the same prompt would not give the same tokens twice."""
+    n, k = weights.shape
+    rows = torch.empty_like(y).index_copy_(0, order, y)  # row t*k + slot: each index once, so deterministic
+    return (rows.view(n, k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
 
 
 OPS = {"grouped": grouped}  # services.llm.layers.fuse() compiles it
