@@ -72,18 +72,17 @@ def variants(devices: list[str]) -> dict:
         _spin(torch.cuda.default_stream(other))
         out["other GPU's default stream busy: peer copy on its side stream"] = _timed(
             on(other_side, lambda: src.to(other, copy=True)), torch.cuda.default_stream(other))
+    _spin(legacy)
     from services.runtime.cuda_ipc import CudaPool
 
-    for kernel in (False, True):  # transport.cuda_copy: memcpy, kernel
-        pool = CudaPool(f"overlap{int(kernel)}", dev, 8 << 20, 16, 30.0, kernel_copy=kernel)
-        try:
-            ready = torch.cuda.Event()
-            ready.record(engine)
-            _spin(legacy)
-            out[f"default stream busy: CudaPool.put after a ready event, {'kernel' if kernel else 'memcpy'}"] = _timed(
-                lambda: pool.put(src, ready), legacy)
-        finally:
-            pool.close()
+    pool = CudaPool("overlap", dev, 8 << 20, 16, 30.0)
+    try:
+        ready = torch.cuda.Event()
+        ready.record(engine)
+        _spin(legacy)
+        out["default stream busy: CudaPool.put after a ready event"] = _timed(lambda: pool.put(src, ready), legacy)
+    finally:
+        pool.close()
     return out
 
 

@@ -9,7 +9,6 @@ in the consumer's hands, message time excluded.
 """
 
 import argparse
-import dataclasses
 import multiprocessing as mp
 import statistics
 import sys
@@ -25,10 +24,10 @@ SIZES = {"8KB": 8 << 10, "1MB": 1 << 20, "64MB": 64 << 20}
 CFG = TransportConfig(cuda_pool_bytes=1 << 30, max_slots=256, reclaim_after_s=30.0)
 
 
-def _producer(cfg: TransportConfig, device: str, nbytes: int, cuda: bool, reps: int, conn) -> None:
+def _producer(device: str, nbytes: int, cuda: bool, reps: int, conn) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(cfg, "benchprod", "local" if cuda else "")
+    t = Transport(CFG, "benchprod", "local" if cuda else "")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     x = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
     for i in range(reps + 5):
@@ -45,10 +44,10 @@ def _producer(cfg: TransportConfig, device: str, nbytes: int, cuda: bool, reps: 
     t.close()
 
 
-def _consumer(cfg: TransportConfig, device: str, reps: int, conn, out) -> None:
+def _consumer(device: str, reps: int, conn, out) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(cfg, "benchcons", "local")
+    t = Transport(CFG, "benchcons", "local")
     torch.zeros(1, device=device)
     rows = []
     for i in range(reps + 5):
@@ -63,12 +62,11 @@ def _consumer(cfg: TransportConfig, device: str, reps: int, conn, out) -> None:
     out.put(rows)
 
 
-def measure(cfg: TransportConfig, src: str, dst: str, nbytes: int, cuda: bool, reps: int) -> dict:
+def measure(src: str, dst: str, nbytes: int, cuda: bool, reps: int) -> dict:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_producer, args=(cfg, src, nbytes, cuda, reps, a)),
-             ctx.Process(target=_consumer, args=(cfg, dst, reps, b, out))]
+    procs = [ctx.Process(target=_producer, args=(src, nbytes, cuda, reps, a)), ctx.Process(target=_consumer, args=(dst, reps, b, out))]
     for p in procs:
         p.start()
     rows = out.get(timeout=600)
@@ -88,22 +86,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--cuda-copy", choices=["memcpy", "kernel"], default=CFG.cuda_copy,
-                        help="transport.cuda_copy: the copy engine, or our kernel on the destination's GPU")
     args = parser.parse_args()
-    cfg = dataclasses.replace(CFG, cuda_copy=args.cuda_copy)
     gpus = torch.cuda.device_count()
     routes = [("same GPU", "cuda:0", "cuda:0")] + ([("GPU0 -> GPU1", "cuda:0", "cuda:1")] if gpus > 1 else [])
     cells = []
     for route, src, dst in routes:
         for label, nbytes in SIZES.items():
             for transport, cuda in (("cuda_ipc", True), ("protobuf bytes", False)):
-                cell = {"route": route, "size": label, "transport": transport, **measure(cfg, src, dst, nbytes, cuda, args.reps)}
+                cell = {"route": route, "size": label, "transport": transport, **measure(src, dst, nbytes, cuda, args.reps)}
                 cells.append(cell)
                 print(f"{route:13s} {label:5s} {transport:15s} put {cell['put_us']:9.1f} us  get {cell['get_us']:9.1f} us  "
                       f"ready {cell['ready_us']:9.1f} us  msg {cell['message_us']:8.1f} us  {cell['get_GBps']:7.1f} GB/s  "
                       f"(first get {cell['first_get_us']:.0f} us)", flush=True)
-    result = new_result("transport", {"transport": cfg.__dict__}, {}, {"command": "python -m bench.transport " + " ".join(sys.argv[1:])})
+    result = new_result("transport", {"transport": CFG.__dict__}, {}, {"command": "python -m bench.transport " + " ".join(sys.argv[1:])})
     result["machine"], result["cells"] = machine(), cells
     write(result, args.out)
 

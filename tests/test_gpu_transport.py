@@ -32,10 +32,10 @@ def tensor(i: int, device) -> torch.Tensor:
     return t
 
 
-def producer(device: str, n: int, outs, report, name: str, go, cfg=CFG) -> None:
+def producer(device: str, n: int, outs, report, name: str, go) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(cfg, name, "local")
+    t = Transport(CFG, name, "local")
     go.wait()  # every consumer is up: none starts late enough to find its slots reclaimed
     cuda = device.startswith("cuda")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=cuda)
@@ -54,10 +54,10 @@ def producer(device: str, n: int, outs, report, name: str, go, cfg=CFG) -> None:
     t.close()
 
 
-def consumer(device: str, inbox, report, name: str, cfg=CFG) -> None:
+def consumer(device: str, inbox, report, name: str) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(cfg, name, "local")
+    t = Transport(CFG, name, "local")
     torch.zeros(1, device=device)
     report.send("ready")
     count = bad = 0
@@ -69,7 +69,7 @@ def consumer(device: str, inbox, report, name: str, cfg=CFG) -> None:
     report.send(("consumer", name, count, bad))
 
 
-def run(producers: list[tuple[str, int]], consumers_per_producer: list[str], cfg=CFG) -> list:
+def run(producers: list[tuple[str, int]], consumers_per_producer: list[str]) -> list:
     """Producers send refs through pipes to their consumers; every process reports through its own pipe."""
     ctx = mp.get_context("spawn")
     procs, reports, consumer_reports = [], [], []
@@ -82,9 +82,9 @@ def run(producers: list[tuple[str, int]], consumers_per_producer: list[str], cfg
 
     for p, (pdev, n) in enumerate(producers):
         pipes = [ctx.Pipe(duplex=False) for _ in consumers_per_producer]
-        procs.append(ctx.Process(target=producer, args=(pdev, n, [w for _, w in pipes], report_pipe(), f"prod{p}", go, cfg)))
+        procs.append(ctx.Process(target=producer, args=(pdev, n, [w for _, w in pipes], report_pipe(), f"prod{p}", go)))
         for c, (cdev, (r, _)) in enumerate(zip(consumers_per_producer, pipes)):
-            procs.append(ctx.Process(target=consumer, args=(cdev, r, report_pipe(), f"cons{p}{c}", cfg)))
+            procs.append(ctx.Process(target=consumer, args=(cdev, r, report_pipe(), f"cons{p}{c}")))
             consumer_reports.append(reports[-1])
     for proc in procs:
         proc.start()
@@ -105,13 +105,9 @@ def devices() -> list[str]:
     return ["cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]
 
 
-@pytest.mark.parametrize("copy", ["memcpy", "kernel"])
-def test_bit_exact_to_the_same_gpu_and_across_gpus(copy):
-    """Every dtype and shape, by the copy engine and by our copy kernel (transport.cuda_copy)."""
-    from dataclasses import replace
-
+def test_bit_exact_to_the_same_gpu_and_across_gpus():
     n = len(DTYPES) * len(SHAPES) * 2
-    results = run([("cuda:0", n)], devices(), replace(CFG, cuda_copy=copy))
+    results = run([("cuda:0", n)], devices())
     consumers = [r for r in results if r[0] == "consumer"]
     assert sum(r[2] for r in consumers) == n and all(r[3] == 0 for r in consumers), results
     assert [r[2] for r in results if r[0] == "producer"] == [0]
@@ -170,10 +166,10 @@ def _busy(device: str) -> None:
         torch.cuda._sleep(600_000_000)
 
 
-def _read_while_busy(first: bytes, second: bytes, device: str, expected, report, cfg=CFG) -> None:
+def _read_while_busy(first: bytes, second: bytes, device: str, expected, report) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(cfg, "busyread", "local")
+    t = Transport(CFG, "busyread", "local")
     torch.zeros(1, device=device)
     t.get(tensor_pb2.TensorRef.FromString(first), device)  # maps the pool (opening a handle may wait for the device)
     with torch.cuda.device(device):
@@ -183,39 +179,37 @@ def _read_while_busy(first: bytes, second: bytes, device: str, expected, report,
     report.send((still_busy, torch.equal(got.cpu(), expected)))
 
 
-@pytest.mark.parametrize("copy", ["memcpy", "kernel"])
-def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work(copy):
+def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work():
     """A stage's engine keeps its stream busy: a put given its tensor's `ready` event, and a get, return while
     that work still runs (their copies run on the transport's own streams), with the bytes exact."""
-    from dataclasses import replace
-
     from services.runtime.transport import Transport
 
-    cfg = replace(CFG, cuda_copy=copy)
-    t = Transport(cfg, "busyput", "local")
-    placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
-    x = tensor(3, "cuda:0")
-    t.cuda_pool(torch.device("cuda:0"))  # the pool exists before the stream is kept busy
-    ready = torch.cuda.Event()
-    ready.record()
-    with torch.cuda.device("cuda:0"):
-        _busy("cuda:0")
-        t0 = time.perf_counter()
-        ref = t.put(x, placement, ready)
-        took = time.perf_counter() - t0
-        assert not torch.cuda.current_stream().query(), f"the put waited for work queued after its tensor ({took * 1000:.0f} ms)"
-        torch.cuda.synchronize()
-    pool = t.cuda_pool(torch.device("cuda:0"))
-    s = ref.cuda
-    assert torch.equal(pool.buffer[s.offset:s.offset + s.nbytes], x.reshape(-1).view(torch.uint8))
-    ctx = mp.get_context("spawn")
-    for device in devices():
-        r, w = ctx.Pipe(duplex=False)
-        refs = [t.put(x, placement).SerializeToString() for _ in range(2)]
-        proc = ctx.Process(target=_read_while_busy, args=(*refs, device, x.cpu(), w, cfg))
-        proc.start()
-        assert r.poll(120)
-        still_busy, exact = r.recv()
-        proc.join(timeout=60)
-        assert exact and still_busy, (device, still_busy, exact)
-    t.close()
+    t = Transport(CFG, "busyput", "local")
+    try:
+        placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
+        x = tensor(3, "cuda:0")
+        t.cuda_pool(torch.device("cuda:0"))  # the pool exists before the stream is kept busy
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.device("cuda:0"):
+            _busy("cuda:0")
+            t0 = time.perf_counter()
+            ref = t.put(x, placement, ready)
+            took = time.perf_counter() - t0
+            assert not torch.cuda.current_stream().query(), f"the put waited for work queued after its tensor ({took * 1000:.0f} ms)"
+            torch.cuda.synchronize()
+        pool = t.cuda_pool(torch.device("cuda:0"))
+        s = ref.cuda
+        assert torch.equal(pool.buffer[s.offset:s.offset + s.nbytes], x.reshape(-1).view(torch.uint8))
+        ctx = mp.get_context("spawn")
+        for device in devices():
+            r, w = ctx.Pipe(duplex=False)
+            refs = [t.put(x, placement).SerializeToString() for _ in range(2)]
+            proc = ctx.Process(target=_read_while_busy, args=(*refs, device, x.cpu(), w))
+            proc.start()
+            assert r.poll(120)
+            still_busy, exact = r.recv()
+            proc.join(timeout=60)
+            assert exact and still_busy, (device, still_busy, exact)
+    finally:
+        t.close()  # its pool's name (pid-stamped) is free for the next test

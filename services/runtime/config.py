@@ -84,11 +84,6 @@ class TransportConfig:
     # Between GPU processes of one host, GPU tensors move through CUDA IPC pools of this size (one per GPU).
     cuda_ipc: bool = True
     cuda_pool_bytes: int = 1 << 30
-    # Copies into and out of the pools: the copy engine (memcpy), or a kernel on the destination's GPU (kernel:
-    # ours in Triton, which also reads another GPU's pool through peer access), for where a same-device memcpy
-    # orders itself after the stage's other streams or an SM-driven copy draws more of NVLink (the A/B and the
-    # checks: python -m bench.overlap, python -m bench.transport --cuda-copy, tests/test_gpu_transport.py).
-    cuda_copy: Literal["memcpy", "kernel"] = "memcpy"
 
 
 @dataclass

@@ -199,7 +199,7 @@ class Transport:
             if device not in self._cuda_pools:
                 clean_stale_pools()
                 self._cuda_pools[device] = CudaPool(self.owner, device, self.cfg.cuda_pool_bytes, self.cfg.max_slots,
-                                                    self.cfg.reclaim_after_s, self.cfg.cuda_copy == "kernel")
+                                                    self.cfg.reclaim_after_s)
             return self._cuda_pools[device]
 
     def _count(self, transport: str, direction: str, nbytes: int) -> None:
@@ -267,7 +267,7 @@ class Transport:
         else:
             from services.runtime.cuda_ipc import read
 
-            out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device, self.cfg.cuda_copy == "kernel")
+            out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device)
         if not live():  # reclaimed while we copied: what we read may be another tensor's
             raise ValueError(f"slot {s.pool}/{s.slot} was reclaimed while it was read")
         entry["released"] = s.generation
