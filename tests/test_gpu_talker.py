@@ -62,7 +62,10 @@ def speech_requests(engine, model_dir, frames: int = 40, seed: int = 1) -> list:
 
 def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
     """Three speech requests past their prompts: one decode step replayed from the graph of 4 (a padding row)
-    against the same step run eagerly (flashinfer's decode kernel against its prefill kernel, bf16)."""
+    against the same step run eagerly (flashinfer's decode kernel against its prefill kernel, bf16). Twenty
+    random layers carry the two kernels' rounding differences to a few percent of a row (measured 1-7%). What
+    this can catch is a graph reading another row's input or a stale buffer; a position off by one moves a row of
+    this random model by as little (measured 1-8%), which the CPU tests against transformers cover instead."""
     from services.model.build import build_full_skeleton
     from services.talker.engine import NativeTalker
 
@@ -72,20 +75,23 @@ def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
     assert engine.graphs is not None
     seqs = speech_requests(engine, model_dir)
     with torch.no_grad():
-        while not all(len(s.frames) >= 2 for s in seqs):
+        while not all(len(s.frames) >= 4 for s in seqs):
             engine.step([s for s in seqs if engine.ready(s)])
         engine._queue_inputs([s for s in seqs if s.next_embed is not None])  # every request's decode row queued
         work = engine.scheduler.schedule()
         assert len(work) == 3, [(w.start, w.n) for w in work]
         assert engine._graphable(work), [(w.start, w.n, w.seq.prompt_len, len(w.seq.tokens)) for w in work]
         eager = engine._rows(work).float()
-        graph, logits = engine._graph_rows(work)
-    rel = ((graph.float() - eager).norm() / eager.norm()).item()
-    print(f"talker decode step, graph against eager: relative L2 {rel:.4f}")
-    assert rel < 0.02, f"graph against eager: relative L2 {rel:.4f}"
+        graph, logits = (t.float() for t in engine._graph_rows(work))
+
+    def rel(a, b):
+        return [round(((a[i] - b[i]).norm() / b[i].norm()).item(), 4) for i in range(len(b))]
+
+    print(f"talker decode step, relative L2 per row, graph against eager: {rel(graph, eager)}")
+    assert max(rel(graph, eager)) < 0.12, f"graph against eager: {rel(graph, eager)}"
     assert engine.graphs.replays >= 1
     ref_logits = engine.talker.codec_head(eager.to(torch.bfloat16)).float()
-    agree = (logits.float().argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
     assert agree >= 2 / 3, f"codec argmax agrees on {agree:.0%} of rows"
 
 
@@ -188,8 +194,9 @@ def test_compiled_predictor_sampling_draws_what_eager_draws():
     counters = torch.arange(b, device="cuda") * 15
     eager = sample_tensors(logits, temps, top_k, top_p, seeds, counters, 50)
     assert torch.equal(compiled(logits, temps, top_k, top_p, seeds, counters, 50), eager)
-    with torch.no_grad():
-        compiled(logits[:8], temps[:8], top_k[:8], top_p[:8], seeds[:8], counters[:8], 50)  # another batch size: no recompile
+    with torch.no_grad():  # as CapturedGraphs does: every size run (compiled) before any capture
+        compiled(logits[:8], temps[:8], top_k[:8], top_p[:8], seeds[:8], counters[:8], 50)
+        compiled(logits, temps, top_k, top_p, seeds, counters, 50)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = compiled(logits, temps, top_k, top_p, seeds, counters, 50)
