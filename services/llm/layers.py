@@ -134,6 +134,9 @@ def fuse(enabled: bool = True) -> None:
     from services.llm import fp8, moe, sampling
 
     inductor.emulate_precision_casts = True  # round where eager rounds (to bf16 between ops): the same numbers
+    # One variant per model (thinker, talker, predictor: their sizes are constants) and per special row count
+    # (1): past dynamo's default of 8 variants a function runs eagerly, as the talker's steps of 64 rows did.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for name, fn in (("pre_attention", pre_attention), ("post_attention", post_attention), ("route", route)):
         OPS[name] = torch.compile(fn, dynamic=True) if enabled else fn
     moe.OPS["grouped"] = torch.compile(moe.grouped, dynamic=True) if enabled else moe.grouped
