@@ -203,3 +203,66 @@ def thinker_seq(reference: Reference, case: Case, max_tokens: int, return_states
     positions, delta = mrope_positions(ids.tolist(), layout, tokens_from_config(spec.thinker))
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(spec.raw["im_end_token_id"],))
     return ThinkerSeq("r", ids, params, torch.from_numpy(positions), delta, spans, return_states=return_states)
+
+
+def hf_talker_sharing(model_dir, talker: torch.nn.Module, device) -> torch.nn.Module:
+    """transformers' talker (talker LM, codec head, code predictor) holding the very tensors of our TalkerModel
+    `talker`: only the rotary tables, which are not weights, are its own."""
+    from services.model.load import build_component, load_config
+
+    hf = build_component("talker", load_config(model_dir), "meta", next(talker.parameters()).dtype)
+    missing, unexpected = hf.load_state_dict(talker.state_dict(), strict=False, assign=True)
+    assert not unexpected and all("rotary_emb" in k for k in missing), (missing, unexpected)
+    for parent in (hf.model, hf.code_predictor.model):
+        with torch.device(device):
+            parent.rotary_emb = type(parent.rotary_emb)(config=parent.rotary_emb.config)
+    return hf.eval()
+
+
+def mrope_rows(n: int) -> torch.Tensor:
+    """Positions [3, n] whose three M-RoPE rows differ (as an image's do), so every rotary section is exercised."""
+    t = torch.arange(n)
+    return torch.stack([t, t // 2, t % 5])
+
+
+def talker_logits(engine, x: torch.Tensor) -> torch.Tensor:
+    """Our talker's codec logits [n, V] over input rows `x` [n, D] at `mrope_rows(n)`, through the engine's
+    own attention backend and experts over its paged cache (a prompt's prefill)."""
+    from services.llm.attention import SeqSlice
+    from services.llm.context import step_context
+
+    n, alloc = len(x), engine.scheduler.allocator
+    blocks = alloc.allocate(-(-n // engine.scheduler.block_size))
+    positions = mrope_rows(n).float().to(x.device)
+    try:
+        with torch.no_grad(), step_context(engine.attention.plan([SeqSlice(blocks, 0, n)]), engine.moe):
+            return engine.talker.codec_head(engine.talker.model(x, positions)).float()
+    finally:
+        alloc.release(blocks)
+
+
+def hf_talker_logits(hf, x: torch.Tensor, attention: str = "sdpa") -> torch.Tensor:
+    hf.model.config._attn_implementation = attention
+    positions = mrope_rows(len(x)).to(x.device)[:, None]
+    with torch.no_grad():
+        return hf.codec_head(hf.model(inputs_embeds=x[None], position_ids=positions).last_hidden_state[0]).float()
+
+
+def predictor_logits(engine, hidden: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
+    """Our code predictor's logits [B, V] for each frame's second code, from the talker's states `hidden` [B, D]
+    and the first codes `code0` [B]: its first step, on its dense cache."""
+    from services.llm.context import step_context
+
+    b, cp = len(code0), engine.talker.code_predictor
+    x = torch.stack([hidden, engine.talker.get_input_embeddings()(code0)], dim=1).reshape(2 * b, -1)
+    positions = torch.arange(2, device=x.device).repeat(b).float().expand(3, -1)
+    with torch.no_grad(), step_context(engine.cp_attention.at(b, 0, 2), engine.moe):
+        return cp.lm_head[0](cp.model(x, positions)[1::2]).float()
+
+
+def hf_predictor_logits(hf, hidden: torch.Tensor, code0: torch.Tensor, attention: str = "sdpa") -> torch.Tensor:
+    cp = hf.code_predictor
+    cp.model.config._attn_implementation = attention
+    x = torch.stack([hidden, hf.get_input_embeddings()(code0)], dim=1)
+    with torch.no_grad():
+        return cp.lm_head[0](cp.model(inputs_embeds=x).last_hidden_state[:, -1]).float()

@@ -202,3 +202,34 @@ def test_compiled_predictor_sampling_draws_what_eager_draws():
             out = compiled(logits, temps, top_k, top_p, seeds, counters, 50)
         graph.replay()
     assert torch.equal(out, eager)
+
+
+def test_talker_and_predictor_logits_match_transformers(tmp_path):
+    """Full size, bf16: our talker's codec logits over a 256-row prompt (flashinfer over the paged cache, the
+    grouped GEMM's experts; M-RoPE rows that differ) and our code predictor's first step for eight frames,
+    against transformers' talker and code predictor holding the same tensors. The yardstick is how far
+    transformers' own result moves when only its attention kernel changes (sdpa against eager)."""
+    from references import hf_predictor_logits, hf_talker_logits, hf_talker_sharing, predictor_logits, talker_logits
+    from services.model.build import build_full_skeleton
+    from services.talker.engine import NativeTalker
+
+    model_dir = build_full_skeleton(tmp_path / "model")
+    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=256, max_seqs=16, moe="triton",
+                          attention="flashinfer")
+    hf = hf_talker_sharing(model_dir, engine.talker, "cuda:0")
+    g = torch.Generator().manual_seed(0)
+    width = engine.cp_hidden.shape[1]
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    x = torch.randn(256, width, generator=g).to("cuda:0", torch.bfloat16)
+    ours, ref, noise = talker_logits(engine, x), hf_talker_logits(hf, x), hf_talker_logits(hf, x, "eager")
+    hidden = torch.randn(8, width, generator=g).to("cuda:0", torch.bfloat16)
+    code0 = torch.randint(0, 2048, (8,), generator=g).cuda()
+    cp_ours, cp_ref = predictor_logits(engine, hidden, code0), hf_predictor_logits(hf, hidden, code0)
+    cp_noise = hf_predictor_logits(hf, hidden, code0, "eager")
+    print(f"talker logits, relative L2: ours against transformers {rel(ours, ref):.4f}, its eager against sdpa "
+          f"{rel(noise, ref):.4f}; predictor {rel(cp_ours, cp_ref):.4f}, {rel(cp_noise, cp_ref):.4f}")
+    assert rel(ours, ref) < max(2 * rel(noise, ref), 0.01)
+    assert rel(cp_ours, cp_ref) < max(2 * rel(cp_noise, cp_ref), 0.01)

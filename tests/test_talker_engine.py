@@ -287,3 +287,20 @@ def test_a_request_preempted_between_frames_draws_no_frame_twice(tiny_model, cas
             continue
         engine.step([seq])
     assert preempted and seq.frames == d["codes"]
+
+
+def test_talker_and_predictor_logits_equal_transformers_on_the_same_weights(tiny_model):
+    """Our talker LM with its codec head, and our code predictor's first step, against transformers' modules
+    holding the very same tensors (float32): a 40-row prompt through our paged cache, and four frames' second codes."""
+    from references import hf_predictor_logits, hf_talker_logits, hf_talker_sharing, predictor_logits, talker_logits
+
+    engine = NativeTalker(tiny_model, max_seqs=8)
+    hf = hf_talker_sharing(tiny_model, engine.talker, "cpu")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, engine.cp_hidden.shape[1], generator=g)
+    ours, ref = talker_logits(engine, x), hf_talker_logits(hf, x)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    vocab = engine.talker.get_input_embeddings().num_embeddings
+    hidden, code0 = torch.randn(4, x.shape[1], generator=g), torch.tensor([0, 7, vocab // 2, vocab - 1])
+    torch.testing.assert_close(predictor_logits(engine, hidden, code0), hf_predictor_logits(hf, hidden, code0),
+                               rtol=1e-4, atol=1e-4)
