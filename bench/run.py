@@ -177,7 +177,11 @@ class Sweep:
                 self.skip(w, b, reason)
                 continue
             t0 = time.perf_counter()
-            warm = await runner(w, cell_indices(b, b * self.args.warmup_rounds, warmup=True), b, self.budget.deadline)
+            # Warm-up at the same B, shorter: batch shapes, graphs and code2wav's chunk shapes are reached within
+            # the first tens of tokens and frames, and a full-length round would cost a fifth of the sweep.
+            length = self.args.warmup_length or max(w.max_tokens, w.frames)
+            warm_w = replace(w, max_tokens=min(w.max_tokens, length), frames=min(w.frames, length))
+            warm = await runner(warm_w, cell_indices(b, b * self.args.warmup_rounds, warmup=True), b, self.budget.deadline)
             if warm.out_of_time:
                 self.skip(w, b, "the run's time limit was reached during warm-up")
                 continue
@@ -213,7 +217,7 @@ class Sweep:
 # What every part of a resumed sweep must share with the first: the same engine, deployment and overrides, lengths
 # and inputs, on the same code and the same kind of machine.
 SAME_ACROSS_PARTS = ("max_tokens", "frames", "prompt_bytes", "image_size", "clip_seconds", "distinct_inputs", "seed",
-                     "min_requests", "requests_per_slot", "warmup_rounds", "engine")
+                     "min_requests", "requests_per_slot", "warmup_rounds", "warmup_length", "engine")
 
 
 def resumed(prior: dict, fresh: dict) -> dict:
@@ -267,6 +271,8 @@ def parse_args(argv=None):
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--requests-per-slot", type=int, default=4, help="a cell runs max(this x B, --min-requests) requests")
     p.add_argument("--warmup-rounds", type=int, default=1, help="warm-up requests per cell = this x B, not counted")
+    p.add_argument("--warmup-length", type=int, default=64,
+                   help="tokens and frames a warm-up request asks for, at most (0: the workload's own lengths)")
     p.add_argument("--max-tokens", type=int, default=None, help="override every workload's thinker tokens")
     p.add_argument("--frames", type=int, default=None, help="override every speech workload's codec frames")
     p.add_argument("--prompt-bytes", type=int, default=None, help="override the generated text prompts' length")
