@@ -54,3 +54,25 @@ def test_compiled_projection_writes_keys_and_values_in_place_for_every_layer():
         written[slots] = True
         assert not kv[0][~written].any() and not kv[1][~written].any()
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_dense_attention_shares_kv_heads_and_masks_like_plain_softmax():
+    """The code predictor's dense cache: 8 query heads over 2 kv heads, a first step of 2 rows, single rows
+    after it, and a 3-row step after 2 cached (the masked case), each against softmax(q k^T) v written out."""
+    from services.llm.attention import DenseAttention
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, d, t = 3, 8, 2, 16, 8
+    att = DenseAttention(torch.zeros(1, b, t, kv_heads, d), torch.zeros(1, b, t, kv_heads, d), d ** -0.5)
+    keys, values = torch.zeros(b, 0, kv_heads, d), torch.zeros(b, 0, kv_heads, d)
+    cached = 0
+    for n in (2, 1, 1, 3):
+        q, k, v = (torch.randn(b * n, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+        out = att.at(b, cached, n).forward(0, q, k, v)
+        keys, values = torch.cat([keys, k.view(b, n, kv_heads, d)], 1), torch.cat([values, v.view(b, n, kv_heads, d)], 1)
+        kk, vv = keys.repeat_interleave(heads // kv_heads, 2), values.repeat_interleave(heads // kv_heads, 2)
+        scores = torch.einsum("bnhd,bthd->bhnt", q.view(b, n, heads, d), kk) * d ** -0.5
+        future = torch.arange(cached + n)[None, :] > torch.arange(cached, cached + n)[:, None]
+        ref = torch.einsum("bhnt,bthd->bnhd", scores.masked_fill(future, float("-inf")).softmax(-1), vv)
+        torch.testing.assert_close(out, ref.reshape(b * n, heads, d))
+        cached += n

@@ -102,12 +102,14 @@ class DenseAttention:
         kc, vc = self.k[layer], self.v[layer]
         kc[:b, c:c + n] = k.view(b, n, *k.shape[1:])
         vc[:b, c:c + n] = v.view(b, n, *v.shape[1:])
-        groups = q.shape[1] // k.shape[1]
-        keys = kc[:b, :c + n].repeat_interleave(groups, dim=2).transpose(1, 2)  # [b, H, T, D]
-        values = vc[:b, :c + n].repeat_interleave(groups, dim=2).transpose(1, 2)
+        keys, values = kc[:b, :c + n].transpose(1, 2), vc[:b, :c + n].transpose(1, 2)  # [b, Hkv, T, D]
         qs = q.view(b, n, *q.shape[1:]).transpose(1, 2)  # [b, H, n, D]
         mask = None if n == 1 or c == 0 else torch.ones(n, c + n, dtype=torch.bool, device=q.device).tril(c)
-        out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, is_causal=n > 1 and c == 0, scale=self.scale)
+        if mask is not None:  # flash attention, the one backend that shares kv heads itself, takes no mask
+            groups = q.shape[1] // k.shape[1]
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, is_causal=n > 1 and c == 0,
+                                             scale=self.scale, enable_gqa=mask is None)
         return out.transpose(1, 2).reshape(b * n, *q.shape[1:])
 
 

@@ -85,6 +85,11 @@ class NativeTalker(SpeechEngine):
         self.cp_ints = torch.zeros(4, max_seqs, dtype=torch.long, device=self.device)  # code 0, top-k, seed, counter base
         self.cp_floats = torch.zeros(2, max_seqs, device=self.device)  # temperature, top-p
         self.cp_top_k = PREDICTOR_SAMPLING.top_k or cp.vocab_size  # the widest top-k a predictor row may use
+        # The predictor's rotary tables [G, D] for its positions 0..G-1, the same every frame: made once, not in
+        # each of its 15 steps (some ten small kernels a step).
+        with torch.no_grad():
+            self.cp_rope = self.talker.code_predictor.model.rope(
+                torch.arange(self.groups, device=self.device).float().expand(3, -1), dtype)
         self.moe = moe
         self.states: dict[int, TalkerState] = {}
         # First codes each request has drawn, as a mask on the device: the repetition penalty needs no history from
@@ -310,20 +315,22 @@ class NativeTalker(SpeechEngine):
         temps, top_p = self.cp_floats[:, :b]
         first = self.talker.get_input_embeddings()(code0)
         x = torch.stack([self.cp_hidden[:b], first], dim=1).reshape(2 * b, -1)  # rows: hidden, code 0
-        positions = torch.arange(2, device=self.device).repeat(b).float().expand(3, -1)
+        cos, sin = self.cp_rope
+        rope = cos[:2].repeat(b, 1), sin[:2].repeat(b, 1)  # positions 0 and 1 for each request
         codes, embeds, cached = [code0], [first], 0
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
         for i in range(self.groups - 1):
             n = 2 if i == 0 else 1
             with step_context(self.cp_attention.at(b, cached, n), self.moe):
-                h = cp.model(x, positions)
+                h = cp.model(x, rope=rope)
             cached += n
             # Seeded draws hashed from (seed, frame, group): no generator, no launch per request.
             code = draw(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, base + i, self.cp_top_k)
             codes.append(code)
             x = cp.model.codec_embedding[i](code)
             embeds.append(x)
-            positions = torch.full((3, b), float(cached), device=self.device)
+            if i < self.groups - 2:
+                rope = cos[cached].expand(b, -1), sin[cached].expand(b, -1)  # every request at the same position
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)
 
     def _forward(self) -> "_Frames | None":

@@ -30,8 +30,11 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = MRope(cfg.head_dim, cfg.rope_parameters["rope_theta"], rope_sections)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rope(positions, x.dtype)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`rope`: the rows' (cos, sin) [N, D] already made, in place of `positions` (the code predictor's,
+        whose positions are the same every frame)."""
+        cos, sin = rope if rope is not None else self.rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
