@@ -14,13 +14,14 @@ from bench.results import METRICS, cell_key, key_label, ratio
 TEXT_COLUMNS = ["output_tok_per_s", "req_per_s", "ttft_p50", "ttft_p99", "itl_p50", "e2e_p50", "failures"]
 SPEECH_COLUMNS = ["req_per_s", "audio_s_per_s", "output_tok_per_s", "ttfa_p50", "ttfa_p99", "rtf_p50", "ttft_p50", "failures"]
 STAGE_COLUMNS = ["tok_per_s", "frames_per_s", "audio_s_per_s", "items_per_s", "step_ms", "host_ms_per_step",
-                 "talker_share", "code_predictor_share", "code2wav_share"]
+                 "talker_share", "code_predictor_share", "code2wav_share", "rel_l2", "snr_db"]
 TITLES = {
     "output_tok_per_s": "tok/s", "req_per_s": "req/s", "audio_s_per_s": "audio-s/s", "ttft_p50": "TTFT p50",
     "ttft_p99": "TTFT p99", "ttfa_p50": "TTFA p50", "ttfa_p99": "TTFA p99", "itl_p50": "ITL p50", "e2e_p50": "e2e p50",
     "e2e_p99": "e2e p99", "rtf_p50": "RTF p50", "failures": "failures", "tok_per_s": "tok/s", "frames_per_s": "frames/s",
     "items_per_s": "items/s", "step_ms": "step ms", "host_ms_per_step": "host ms/step",
     "talker_share": "talker share", "code_predictor_share": "code predictor share", "code2wav_share": "code2wav share",
+    "rel_l2": "rel. L2 to float32", "snr_db": "SNR dB",
 }
 
 

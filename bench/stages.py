@@ -11,6 +11,7 @@ Each stage runs on its config replica's device unless --device says otherwise.
 """
 
 import argparse
+import math
 import shlex
 import statistics
 import sys
@@ -300,8 +301,47 @@ def encoder_cells(cfg: MeshConfig, device: str, args):
                    "items_per_s": b / seconds, "step_ms": 1000 * seconds}
 
 
+def code2wav_cells(cfg: MeshConfig, device: str, args):
+    """code2wav alone in float32 and in each of --code2wav-dtypes (the same seeded weights, rounded): chunks of
+    each streaming shape (first, second, steady: frames with their left context) for each of --batches on the
+    same random codes, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it), and the
+    waveforms held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by."""
+    from services.llm.graphs import CapturedGraphs
+    from services.model.load import load_component
+
+    dev, tc = torch.device(device), cfg.talker
+    first, size, context = tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames
+    new_frames = {first: first, min(context, first) + size: size, context + size: size}  # shape -> frames of new audio
+    dtypes = ["float32"] + [d for d in args.code2wav_dtypes.split(",") if d and d != "float32"]
+    models = {d: load_component("code2wav", cfg.model.dir, dev, DTYPES[d], cfg.model.load_format, cfg.model.seed).requires_grad_(False)
+              for d in dtypes}
+    ref_model = models["float32"]
+    groups, vocab = ref_model.config.num_quantizers, ref_model.config.codebook_size
+    gen = torch.Generator().manual_seed(args.seed)
+    for frames in sorted(new_frames):
+        for b in args.batches:
+            codes = torch.randint(0, vocab, (b, groups, frames), generator=gen).to(dev)
+            ref = None
+            for d in dtypes:
+                model = models[d]
+                with torch.no_grad():
+                    if dev.type == "cuda":
+                        graph = CapturedGraphs([b], lambda n, model=model: model(codes[:n]), dev)
+                        call = lambda graph=graph: graph.replay(b)  # noqa: E731
+                    else:
+                        call = lambda model=model: model(codes)  # noqa: E731
+                    wav = call().float().clone()  # a graph's output is overwritten by its next replay
+                    reps = max(1, args.decode_steps)
+                    seconds, _ = timed(lambda: [call() for _ in range(reps)], dev)
+                ref = wav if d == "float32" else ref
+                err = ((wav - ref).norm() / ref.norm()).item()
+                yield {"stage": "code2wav", "mode": d, "item": f"{frames} frames", "batch": b, "step_ms": 1000 * seconds / reps,
+                       "audio_s_per_s": b * new_frames[frames] / FRAMES_PER_SECOND * reps / seconds, "rel_l2": err,
+                       "snr_db": None if err == 0 else -20 * math.log10(err)}
+
+
 STAGES = {"thinker": (thinker_cells, "thinker"), "hf-thinker": (hf_thinker_cells, "thinker"), "talker": (talker_cells, "talker"),
-          "encoder": (encoder_cells, "encoder"), "preprocess": (preprocess_cells, None)}
+          "encoder": (encoder_cells, "encoder"), "preprocess": (preprocess_cells, None), "code2wav": (code2wav_cells, "talker")}
 
 
 def ints(text: str) -> list[int]:
@@ -326,6 +366,7 @@ def parse_args(argv=None):
                    help="native talker, each batch under each mode on one engine (one build, one capture): config, "
                         "plain, overlap; a -c2w-inline suffix waits for code2wav in the frame loop (no side stream)")
     p.add_argument("--encoder-batches", type=ints, default=[1, 8, 32])
+    p.add_argument("--code2wav-dtypes", default="bfloat16", help="code2wav stage: precisions held to float32 (float32 always runs)")
     p.add_argument("--preprocess-items", type=int, default=8)
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--clip-seconds", type=float, default=7.0)

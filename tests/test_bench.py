@@ -303,3 +303,21 @@ def test_a_mesh_started_apart(bench_dir, mesh):
     with pytest.raises(SystemExit, match=r"not serving after 2s: thinker\[0\] at 127.0.0.1:"):
         bench_run.main([*common[:1], str(missing), *common[2:], "--address", mesh.gateway_address, "--wait-ready", "2",
                         "--out", str(bench_dir / "none.json")])
+
+
+def test_code2wav_precisions_against_float32(bench_dir):
+    """bench.stages --stages code2wav: each streaming chunk shape and batch in float32 and bfloat16 on the same
+    codes; float32 is the reference (no error), bfloat16 a small but nonzero one, and the report shows both."""
+    out = bench_dir / "code2wav.json"
+    stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "code2wav", "--batches", "1,2",
+                 "--decode-steps", "2", "--device", "cpu"])
+    cells = results.read(out)["cells"]
+    assert {c["mode"] for c in cells} == {"float32", "bfloat16"} and {c["batch"] for c in cells} == {1, 2}
+    assert len({c["item"] for c in cells}) == 3  # first, second and steady chunks
+    for c in cells:
+        assert c["audio_s_per_s"] > 0 and c["step_ms"] > 0
+        if c["mode"] == "float32":
+            assert c["rel_l2"] == 0 and c["snr_db"] is None
+        else:
+            assert 0 < c["rel_l2"] < 0.1 and c["snr_db"] > 20, c
+    assert "SNR dB" in report.main([str(out)])[0].read_text()

@@ -304,3 +304,19 @@ def test_talker_and_predictor_logits_equal_transformers_on_the_same_weights(tiny
     hidden, code0 = torch.randn(4, x.shape[1], generator=g), torch.tensor([0, 7, vocab // 2, vocab - 1])
     torch.testing.assert_close(predictor_logits(engine, hidden, code0), hf_predictor_logits(hf, hidden, code0),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_code2wav_runs_in_the_precision_the_config_names(tiny_model, tmp_path):
+    """talker.code2wav_dtype: code2wav's weights in that dtype whatever the talker's, float32 waveforms out, close
+    to float32 code2wav's on the same codes."""
+    from conftest import write_config
+    from services.runtime.config import load_config
+    from services.talker.server import make_engine
+
+    cfg = load_config(write_config(tmp_path / "mesh.yaml", tiny_model), ["talker.engine=native", "talker.code2wav_dtype=bfloat16"])
+    engine = make_engine(cfg, "cpu")
+    assert next(engine.code2wav.parameters()).dtype == torch.bfloat16 and engine.dtype == torch.float32
+    fp32 = NativeTalker(tiny_model)
+    codes = torch.randint(0, 16, (2, 12, engine.groups), generator=torch.Generator().manual_seed(0)).tolist()
+    wav, ref = engine._code2wav(codes).float(), fp32._code2wav(codes).float()
+    assert wav.shape == ref.shape and 0 < ((wav - ref).norm() / ref.norm()).item() < 0.1

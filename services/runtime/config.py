@@ -188,6 +188,9 @@ class TalkerConfig(LMStageConfig):
     code2wav_graphs: bool = True
     # native engine on a GPU: code2wav on a stream of its own, beside the frame loop, read back when it is done.
     code2wav_stream: bool = True
+    # code2wav's precision, either engine: the model's, or its own (`bench.stages --stages code2wav` measures
+    # each precision's waveforms against float32's, and its speed).
+    code2wav_dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     # native engine: a frame step is launched before the previous one's codes are read (the repetition penalty
     # kept on the device), so the host's work for a step runs while the device computes the one before. A
     # frame reaches its request one step later; a request that ends on the end code computes one frame more,

@@ -99,9 +99,10 @@ def make_engine(cfg: MeshConfig, device: str):
     tc = cfg.talker
     args = (cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
             tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
+    c2w = None if tc.code2wav_dtype == "model" else DTYPES[tc.code2wav_dtype]
     if tc.engine == "native":
-        return NativeTalker(*args, **tc.native_args)
-    return ReferenceTalker(*args)
+        return NativeTalker(*args, **tc.native_args, code2wav_dtype=c2w)
+    return ReferenceTalker(*args, code2wav_dtype=c2w)
 
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:

@@ -107,9 +107,13 @@ class Vocoding:
 class SpeechEngine:
     """The engine protocol's request handling, shared; subclasses implement `step`."""
 
-    def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int]):
+    def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int],
+                 code2wav_dtype: torch.dtype | None = None):
         self.device, self.dtype, self.talker = torch.device(device), dtype, talker
-        self.code2wav = load_component("code2wav", model_dir, device, dtype, load_format, seed).requires_grad_(False)
+        # code2wav may run in another precision than the talker (talker.code2wav_dtype; bench.stages code2wav
+        # measures each against float32).
+        self.code2wav = load_component("code2wav", model_dir, device, code2wav_dtype or dtype, load_format,
+                                       seed).requires_grad_(False)
         self.spec = spec = OmniSpec.load(model_dir)
         tc = spec.talker
         self.voices = spec.voices
