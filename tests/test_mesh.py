@@ -67,6 +67,10 @@ def test_path_matches_transformers(any_mesh, reference, path):
     assert usage.audio_frames == len(codes)
     assert usage.audio_seconds == pytest.approx(res.samples / 24000)
     assert 0 < usage.time_to_first_token_seconds <= usage.time_to_first_audio_seconds
+    # The talker's share of the time to first audio, step by step, within it.
+    split = {t.stage: t.seconds for t in usage.timings if t.stage.startswith("talker_")}
+    assert {"talker_queue", "talker_first_frame", "talker_first_chunk"} <= set(split), split
+    assert all(v >= 0 for v in split.values()) and sum(split.values()) < usage.time_to_first_audio_seconds
     check_waveform(res, wave)
     assert res.events.index("audio") < len(res.events) - 1 and res.events[-1] == "finished"
 

@@ -118,6 +118,8 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup):
                 engine.free(seq)
     for name, seq in seqs.items():
         assert seq.frames == data[name]["codes"] and seq.frames, name
+        order = [seq.marks[m] for m in ("arrived", "ready", "admitted", "first_frame", "first_audio")]
+        assert order == sorted(order) and len(seq.first_audio_split()) == 4, seq.marks
         frame = 0
         for chunk in chunks[name]:
             ref = data[name]["wave"][frame * 1920: frame * 1920 + len(chunk.pcm)]

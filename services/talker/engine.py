@@ -214,6 +214,7 @@ class NativeTalker(SpeechEngine):
                             prompt_len=len(inputs), slot=self.free_slots.pop())
         self.seen[state.slot] = False
         self.states[id(seq)] = state
+        seq.mark("admitted")
         self.scheduler.add(state)
 
     def _queue_inputs(self, seqs: list[TalkerSeq]) -> None:
@@ -269,6 +270,7 @@ class NativeTalker(SpeechEngine):
                 seq.done, seq.eos, seq.next_embed = True, True, None
                 continue
             seq.frames.append(row)
+            seq.mark("first_frame")
             if len(seq.frames) >= seq.params.max_tokens:
                 seq.done = True
         return read

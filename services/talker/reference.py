@@ -47,6 +47,7 @@ class ReferenceTalker(SpeechEngine):
                 seq.done = True
                 return TalkerStep([], finished=True)
             t0 = time.perf_counter()
+            seq.mark("admitted")
             inputs, positions = self.prompt_inputs(seq)
             seq.cache = DynamicCache(config=self.talker.model.config)
             self._forward(seq, inputs[None], positions[:, None])
@@ -78,6 +79,7 @@ class ReferenceTalker(SpeechEngine):
         seq.seconds["code_predictor"] += t1 - t0
         t = len(seq.frames)
         seq.frames.append(frame)
+        seq.mark("first_frame")
         seq.code0 = None
         if len(seq.frames) >= seq.params.max_tokens:
             seq.done = True

@@ -84,7 +84,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                     ))
                 if step.finished:
                     yield talker_pb2.TalkerOutput(finished=talker_pb2.TalkerFinished(
-                        frames=len(seq.frames), eos=seq.eos, timings=timings(**seq.seconds),
+                        frames=len(seq.frames), eos=seq.eos, timings=timings(**seq.seconds, **seq.first_audio_split()),
                     ))
             finished = True
             await feeder  # the rest of the caller's stream, released unread (see _feed)

@@ -54,6 +54,20 @@ class TalkerSeq:
     predictor_params: SamplingParams | None = None  # None: greedy
     tts: torch.Tensor | None = None  # [3, D] projected tts bos, eos, pad
     seconds: dict = field(default_factory=lambda: {"talker": 0.0, "code_predictor": 0.0, "code2wav": 0.0})
+    # When the request reached each step on its way to its first audio (host clock): where a time to first
+    # audio goes, reported beside `seconds` (first_audio_split).
+    marks: dict = field(default_factory=lambda: {"arrived": time.perf_counter()})
+
+    def mark(self, milestone: str) -> None:
+        self.marks.setdefault(milestone, time.perf_counter())
+
+    def first_audio_split(self) -> dict[str, float]:
+        """Seconds between its milestones: waiting for the thinker's first text (states), for a step to take
+        it (queue), its prompt's step and first frame (first_frame), and that frame's way out as audio (the
+        first chunk's remaining frames and code2wav: first_chunk)."""
+        order = [("talker_wait_states", "arrived", "ready"), ("talker_queue", "ready", "admitted"),
+                 ("talker_first_frame", "admitted", "first_frame"), ("talker_first_chunk", "first_frame", "first_audio")]
+        return {name: self.marks[b] - self.marks[a] for name, a, b in order if a in self.marks and b in self.marks}
 
 
 @dataclass
@@ -183,7 +197,10 @@ class SpeechEngine:
         self._ingest(seq)
         seq.text_done = ended
         if not self.started(seq):
-            return seq.n_states >= len(seq.prompt_ids) + 1 or seq.text_done
+            if seq.n_states >= len(seq.prompt_ids) + 1 or seq.text_done:
+                seq.mark("ready")
+                return True
+            return False
         return self.runnable(seq) or seq.vocoding > 0  # audio on its way: a step hands it out
 
     def started(self, seq: TalkerSeq) -> bool:
@@ -309,6 +326,7 @@ class SpeechEngine:
             for (s, start, end), wav in zip(job.chunks, job.pcm.numpy()):
                 s.vocoding -= 1
                 if id(s) in self.live:
+                    s.mark("first_audio")
                     s.seconds["code2wav"] += seconds / len(job.chunks)
                     out.setdefault(id(s), (s, []))[1].append(SpeechChunk(wav, s.frames[start:end], start))
         return out
