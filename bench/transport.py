@@ -5,11 +5,16 @@
 Per size and route, the producer's put (copy into its pool, synchronised), the message time (the ref
 through a pipe, standing in for gRPC), and the consumer's get (read into its own GPU memory,
 synchronised). "ready" = put + get: how long after the producer starts handing over the tensor is
-in the consumer's hands, message time excluded.
+in the consumer's hands, message time excluded. With --profile DIR, each side's measured puts or gets run
+under cProfile, its busiest functions written to DIR (where the fixed hundred-odd microseconds go).
 """
 
 import argparse
+import cProfile
+import io
 import multiprocessing as mp
+import os
+import pstats
 import statistics
 import sys
 import time
@@ -24,49 +29,83 @@ SIZES = {"8KB": 8 << 10, "1MB": 1 << 20, "64MB": 64 << 20}
 CFG = TransportConfig(cuda_pool_bytes=1 << 30, max_slots=256, reclaim_after_s=30.0)
 
 
-def _producer(device: str, nbytes: int, cuda: bool, reps: int, conn) -> None:
+class _Profile:
+    """cProfile over a side's measured rounds when `path` is set; its busiest functions written there at the end."""
+
+    def __init__(self, path: str):
+        self.path, self.prof = path, cProfile.Profile() if path else None
+
+    def start(self) -> None:
+        if self.prof:
+            self.prof.enable()
+
+    def stop(self) -> None:
+        if self.prof:
+            self.prof.disable()
+
+    def finish(self) -> None:
+        if self.prof:
+            text = io.StringIO()
+            pstats.Stats(self.prof, stream=text).sort_stats("tottime").print_stats(30)
+            with open(self.path, "w") as f:
+                f.write(text.getvalue())
+
+
+def _producer(device: str, nbytes: int, cuda: bool, reps: int, conn, profile: str = "") -> None:
     from services.runtime.transport import Transport
 
     t = Transport(CFG, "benchprod", "local" if cuda else "")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     x = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
+    prof = _Profile(profile)
     for i in range(reps + 5):
         torch.cuda.synchronize(device)
+        if i >= 5:  # the measured rounds
+            prof.start()
         t0 = time.perf_counter()
         ref = t.put(x, placement)
         data = ref.SerializeToString()
         t1 = time.perf_counter()
+        prof.stop()
         conn.send_bytes(data)
         conn.send((t0, t1))
         conn.recv()  # the consumer is done: the next round starts from a quiet machine
+    prof.finish()
     conn.close()
     time.sleep(0.5)
     t.close()
 
 
-def _consumer(device: str, reps: int, conn, out) -> None:
+def _consumer(device: str, reps: int, conn, out, profile: str = "") -> None:
     from services.runtime.transport import Transport
 
     t = Transport(CFG, "benchcons", "local")
     torch.zeros(1, device=device)
     rows = []
+    prof = _Profile(profile)
     for i in range(reps + 5):
         data = conn.recv_bytes()
         t0, t1 = conn.recv()
+        if i >= 5:
+            prof.start()
         t2 = time.perf_counter()
         got = t.get(tensor_pb2.TensorRef.FromString(data), device)
         t3 = time.perf_counter()
+        prof.stop()
         assert got.device == torch.device(device)
         conn.send(None)
         rows.append((t1 - t0, t2 - t1, t3 - t2))
+    prof.finish()
     out.put(rows)
 
 
-def measure(src: str, dst: str, nbytes: int, cuda: bool, reps: int) -> dict:
+def measure(src: str, dst: str, nbytes: int, cuda: bool, reps: int, profile: str = "") -> dict:
+    """One cell; with `profile` (a path prefix), each side's cProfile report at PREFIX-put.txt and PREFIX-get.txt."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_producer, args=(src, nbytes, cuda, reps, a)), ctx.Process(target=_consumer, args=(dst, reps, b, out))]
+    procs = [ctx.Process(target=_producer, args=(src, nbytes, cuda, reps, a, profile and f"{profile}-put.txt")),
+             ctx.Process(target=_consumer, args=(dst, reps, b, out, profile and f"{profile}-get.txt"))]
     for p in procs:
         p.start()
     rows = out.get(timeout=600)
@@ -82,25 +121,37 @@ def measure(src: str, dst: str, nbytes: int, cuda: bool, reps: int) -> dict:
             "get_GBps": nbytes / get / 1e9, "first_get_us": first[2] * 1e6, "reps": len(rows)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--reps", type=int, default=50)
-    args = parser.parse_args()
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"of {', '.join(SIZES)}")
+    parser.add_argument("--routes", default="same,across", help="same: GPU0 to GPU0; across: GPU0 to GPU1")
+    parser.add_argument("--transports", default="cuda_ipc,bytes")
+    parser.add_argument("--profile", default="", help="a folder for each side's cProfile report of each cell")
+    args = parser.parse_args(argv)
     gpus = torch.cuda.device_count()
-    routes = [("same GPU", "cuda:0", "cuda:0")] + ([("GPU0 -> GPU1", "cuda:0", "cuda:1")] if gpus > 1 else [])
-    cells = []
+    routes = {"same": ("same GPU", "cuda:0", "cuda:0"), "across": ("GPU0 -> GPU1", "cuda:0", "cuda:1")}
+    routes = [routes[r] for r in args.routes.split(",") if r == "same" or gpus > 1]
+    transports = {"cuda_ipc": ("cuda_ipc", True), "bytes": ("protobuf bytes", False)}
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    command = "python -m bench.transport " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = new_result("transport", {"transport": CFG.__dict__}, {}, {"command": command})
+    result["machine"], result["cells"] = machine(), []
     for route, src, dst in routes:
-        for label, nbytes in SIZES.items():
-            for transport, cuda in (("cuda_ipc", True), ("protobuf bytes", False)):
-                cell = {"route": route, "size": label, "transport": transport, **measure(src, dst, nbytes, cuda, args.reps)}
-                cells.append(cell)
+        for label in args.sizes.split(","):
+            nbytes = SIZES[label]
+            for key in args.transports.split(","):
+                transport, cuda = transports[key]
+                profile = args.profile and os.path.join(args.profile, f"{src[-1]}to{dst[-1]}-{label}-{key}")
+                cell = {"route": route, "size": label, "transport": transport,
+                        **measure(src, dst, nbytes, cuda, args.reps, profile)}
+                result["cells"].append(cell)
+                write(result, args.out)  # after every cell: a run cut short keeps what it measured
                 print(f"{route:13s} {label:5s} {transport:15s} put {cell['put_us']:9.1f} us  get {cell['get_us']:9.1f} us  "
                       f"ready {cell['ready_us']:9.1f} us  msg {cell['message_us']:8.1f} us  {cell['get_GBps']:7.1f} GB/s  "
                       f"(first get {cell['first_get_us']:.0f} us)", flush=True)
-    result = new_result("transport", {"transport": CFG.__dict__}, {}, {"command": "python -m bench.transport " + " ".join(sys.argv[1:])})
-    result["machine"], result["cells"] = machine(), cells
-    write(result, args.out)
 
 
 if __name__ == "__main__":
