@@ -10,6 +10,7 @@ under cProfile, its busiest functions written to DIR (where the fixed hundred-od
 """
 
 import argparse
+import dataclasses
 import cProfile
 import io
 import multiprocessing as mp
@@ -51,10 +52,10 @@ class _Profile:
                 f.write(text.getvalue())
 
 
-def _producer(device: str, nbytes: int, cuda: bool, reps: int, conn, profile: str = "") -> None:
+def _producer(cfg: TransportConfig, device: str, nbytes: int, cuda: bool, reps: int, conn, profile: str = "") -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "benchprod", "local" if cuda else "")
+    t = Transport(cfg, "benchprod", "local" if cuda else "")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     x = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
     prof = _Profile(profile)
@@ -76,10 +77,10 @@ def _producer(device: str, nbytes: int, cuda: bool, reps: int, conn, profile: st
     t.close()
 
 
-def _consumer(device: str, reps: int, conn, out, profile: str = "") -> None:
+def _consumer(cfg: TransportConfig, device: str, reps: int, conn, out, profile: str = "") -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "benchcons", "local")
+    t = Transport(cfg, "benchcons", "local")
     torch.zeros(1, device=device)
     rows = []
     prof = _Profile(profile)
@@ -99,13 +100,13 @@ def _consumer(device: str, reps: int, conn, out, profile: str = "") -> None:
     out.put(rows)
 
 
-def measure(src: str, dst: str, nbytes: int, cuda: bool, reps: int, profile: str = "") -> dict:
+def measure(cfg: TransportConfig, src: str, dst: str, nbytes: int, cuda: bool, reps: int, profile: str = "") -> dict:
     """One cell; with `profile` (a path prefix), each side's cProfile report at PREFIX-put.txt and PREFIX-get.txt."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_producer, args=(src, nbytes, cuda, reps, a, profile and f"{profile}-put.txt")),
-             ctx.Process(target=_consumer, args=(dst, reps, b, out, profile and f"{profile}-get.txt"))]
+    procs = [ctx.Process(target=_producer, args=(cfg, src, nbytes, cuda, reps, a, profile and f"{profile}-put.txt")),
+             ctx.Process(target=_consumer, args=(cfg, dst, reps, b, out, profile and f"{profile}-get.txt"))]
     for p in procs:
         p.start()
     rows = out.get(timeout=600)
@@ -129,7 +130,9 @@ def main(argv=None) -> None:
     parser.add_argument("--routes", default="same,across", help="same: GPU0 to GPU0; across: GPU0 to GPU1")
     parser.add_argument("--transports", default="cuda_ipc,bytes")
     parser.add_argument("--profile", default="", help="a folder for each side's cProfile report of each cell")
+    parser.add_argument("--read-lanes", type=int, default=1, help="transport.read_lanes: parts of a large read from another GPU")
     args = parser.parse_args(argv)
+    cfg = dataclasses.replace(CFG, read_lanes=args.read_lanes)
     gpus = torch.cuda.device_count()
     routes = {"same": ("same GPU", "cuda:0", "cuda:0"), "across": ("GPU0 -> GPU1", "cuda:0", "cuda:1")}
     routes = [routes[r] for r in args.routes.split(",") if r == "same" or gpus > 1]
@@ -137,7 +140,7 @@ def main(argv=None) -> None:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     command = "python -m bench.transport " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = new_result("transport", {"transport": CFG.__dict__}, {}, {"command": command})
+    result = new_result("transport", {"transport": cfg.__dict__}, {}, {"command": command})
     result["machine"], result["cells"] = machine(), []
     for route, src, dst in routes:
         for label in args.sizes.split(","):
@@ -146,7 +149,7 @@ def main(argv=None) -> None:
                 transport, cuda = transports[key]
                 profile = args.profile and os.path.join(args.profile, f"{src[-1]}to{dst[-1]}-{label}-{key}")
                 cell = {"route": route, "size": label, "transport": transport,
-                        **measure(src, dst, nbytes, cuda, args.reps, profile)}
+                        **measure(cfg, src, dst, nbytes, cuda, args.reps, profile)}
                 result["cells"].append(cell)
                 write(result, args.out)  # after every cell: a run cut short keeps what it measured
                 print(f"{route:13s} {label:5s} {transport:15s} put {cell['put_us']:9.1f} us  get {cell['get_us']:9.1f} us  "

@@ -213,3 +213,18 @@ def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work()
             assert exact and still_busy, (device, still_busy, exact)
     finally:
         t.close()  # its pool's name (pid-stamped) is free for the next test
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_a_read_from_another_gpu_in_lanes_is_bit_exact(lanes):
+    """cuda_ipc.read from a pool on GPU0 into GPU1 (the same GPU when there is one), whole or in parallel parts:
+    odd offsets and sizes around the lane threshold, every byte where it belongs."""
+    from services.runtime.cuda_ipc import LANE_MIN_BYTES, read
+
+    pool = torch.randint(0, 256, ((LANE_MIN_BYTES * 5) // 2 + 4096,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0)).to("cuda:0")
+    for offset, nbytes, dtype in ((0, LANE_MIN_BYTES, torch.bfloat16), (2, LANE_MIN_BYTES * 2 + 6, torch.int16),
+                                  (4096, LANE_MIN_BYTES - 8, torch.float32), (8, 1000, torch.int64)):
+        got = read(pool, offset, nbytes, dtype, (nbytes // dtype.itemsize,), devices()[1], lanes)
+        assert got.device == torch.device(devices()[1])
+        assert torch.equal(got.view(torch.uint8).cpu(), pool[offset:offset + nbytes].cpu()), (offset, nbytes, lanes)

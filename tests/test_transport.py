@@ -133,3 +133,17 @@ def test_many_transfers_between_processes_leave_the_pool_empty():
     consumers = [r for r in results if r[0] == "consumer"]
     assert sum(r[2] for r in consumers) == 2000 and all(r[3] == 0 for r in consumers), results
     assert [r[2] for r in results if r[0] == "producer"] == [0, 0]
+
+
+def test_reads_from_another_gpu_split_into_aligned_lanes():
+    """transport.read_lanes: a large read's byte ranges cover it once, in order, inner bounds aligned; small
+    reads and one lane stay whole."""
+    from services.runtime.cuda_ipc import LANE_ALIGN, LANE_MIN_BYTES, lane_bounds
+
+    assert lane_bounds(LANE_MIN_BYTES - 2, 4) == [(0, LANE_MIN_BYTES - 2)]
+    assert lane_bounds(64 << 20, 1) == [(0, 64 << 20)]
+    for nbytes, lanes in ((64 << 20, 4), ((24 << 20) + 6, 4), (LANE_MIN_BYTES, 3), ((100 << 20) + 2, 7)):
+        parts = lane_bounds(nbytes, lanes)
+        assert 1 < len(parts) <= lanes and parts[0][0] == 0 and parts[-1][1] == nbytes
+        assert all(a < b for a, b in parts) and all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))
+        assert all(b % LANE_ALIGN == 0 for _, b in parts[:-1])

@@ -84,6 +84,9 @@ class TransportConfig:
     # Between GPU processes of one host, GPU tensors move through CUDA IPC pools of this size (one per GPU).
     cuda_ipc: bool = True
     cuda_pool_bytes: int = 1 << 30
+    # A tensor of 8 MB or more read from another GPU is copied in this many parts at once, each on its own
+    # streams (bench.transport --read-lanes measures it).
+    read_lanes: int = 1
 
 
 @dataclass

@@ -74,23 +74,40 @@ def open_pool(handle: tensor_pb2.CudaPoolHandle) -> torch.Tensor:
     )
 
 
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+LANE_MIN_BYTES = 8 << 20  # a read from another GPU smaller than this is one copy: more would only add launches
+LANE_ALIGN = 1 << 16
 
 
-def _stream(device: torch.device) -> torch.cuda.Stream:
-    """The transport's own stream on `device`: its copies wait for nothing the stage's engine queues."""
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+def _stream(device: torch.device, lane: int = 0) -> torch.cuda.Stream:
+    """The transport's own stream on `device` (one per lane): its copies wait for nothing the stage's engine queues."""
+    if (device, lane) not in _STREAMS:
+        _STREAMS[device, lane] = torch.cuda.Stream(device)
+    return _STREAMS[device, lane]
 
 
-def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device) -> torch.Tensor:
+def lane_bounds(nbytes: int, lanes: int) -> list[tuple[int, int]]:
+    """[start, end) byte ranges splitting `nbytes` into at most `lanes` contiguous parts, inner bounds on
+    LANE_ALIGN: one part below LANE_MIN_BYTES."""
+    if lanes <= 1 or nbytes < LANE_MIN_BYTES:
+        return [(0, nbytes)]
+    step = -(-nbytes // lanes // LANE_ALIGN) * LANE_ALIGN
+    cuts = list(range(0, nbytes, step)) + [nbytes]
+    return list(zip(cuts, cuts[1:]))
+
+
+def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device, lanes: int = 1) -> torch.Tensor:
     """A copy, on `device`, of the tensor at `offset` of a mapped pool; complete when this returns.
 
     The copy runs on a stream of its own and only it is waited for: the producer finished writing before it
     sent the ref, so nothing queued in this process need come first, and a stage whose engine keeps the
-    device busy (a talker step, a thinker step) does not hold up the thread that takes in its inputs."""
+    device busy (a talker step, a thinker step) does not hold up the thread that takes in its inputs.
+    From another GPU, a large tensor may be copied in `lanes` parts on as many stream pairs at once, for
+    more copy engines on the link than one copy uses (transport.read_lanes)."""
     target = torch.device(device)
+    parts = lane_bounds(nbytes, lanes) if target.type == "cuda" and target != buffer.device else [(0, nbytes)]
+    if len(parts) > 1:
+        return _read_lanes(buffer[offset:offset + nbytes], parts, target).view(dtype).reshape(shape)
     source = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
     # From another GPU, torch copies on the source GPU's current stream after the target's current stream: both
     # are the transport's here, or the copy would wait for whatever this process queued on the default ones.
@@ -103,4 +120,18 @@ def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sha
     if target.type == "cuda":
         # Allocated on the read stream, used on the consumer's: its memory is not reused before that use is done.
         out.record_stream(torch.cuda.current_stream(target))
+    return out
+
+
+def _read_lanes(source: torch.Tensor, parts: list[tuple[int, int]], target: torch.device) -> torch.Tensor:
+    """`source` (bytes on another GPU) into a new tensor on `target`, each part on its own pair of streams
+    (torch copies across GPUs on the source's current stream, after the target's)."""
+    with torch.cuda.stream(_stream(target)):
+        out = torch.empty(source.numel(), dtype=torch.uint8, device=target)
+    for lane, (a, b) in enumerate(parts):
+        with torch.cuda.stream(_stream(source.device, lane)), torch.cuda.stream(_stream(target, lane)):
+            out[a:b].copy_(source[a:b])
+    for lane in range(len(parts)):
+        _stream(target, lane).synchronize()
+    out.record_stream(torch.cuda.current_stream(target))  # made on lane 0's stream, used on the consumer's
     return out

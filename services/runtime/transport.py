@@ -267,7 +267,7 @@ class Transport:
         else:
             from services.runtime.cuda_ipc import read
 
-            out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device)
+            out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device, self.cfg.read_lanes)
         if not live():  # reclaimed while we copied: what we read may be another tensor's
             raise ValueError(f"slot {s.pool}/{s.slot} was reclaimed while it was read")
         entry["released"] = s.generation
