@@ -91,6 +91,19 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
         engine.step(warm)
     for s in warm:  # an engine keeps stepping a sequence until it is freed (the server frees it when it stops)
         engine.free(s)
+    modes = args.thinker_modes.split(",")
+
+    def use(mode: str) -> str:
+        """The native engine switched to `mode`; the cell's mode name."""
+        if mode == "config":
+            return "decode"
+        if mode not in ("plain", "overlap"):
+            raise SystemExit(f"unknown thinker mode {mode!r}")
+        if not hasattr(engine, "overlap"):
+            raise SystemExit(f"--thinker-modes {mode}: the {cfg.thinker.engine} thinker has no such switch")
+        engine.overlap = mode == "overlap"
+        return f"decode {mode}"
+
     for length in args.prompt_lens:
         for b in args.batches:
             # Long enough that no sequence finishes inside the cell: the first ones admitted decode while the
@@ -106,32 +119,35 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
             prefill(cold)
             for s in cold:
                 engine.free(s)
-            seqs = batch(b, length, ahead + steps + 2)
-            retries = alloc_retries(dev)
-            prefill_s, _ = timed(lambda: prefill(seqs), dev)
-            # Steps back to back, the device drained once before and once after: an engine that overlaps a
-            # step's host work with the previous step's device work shows it (each call launches one step).
-            hosts = []
+            for i, mode in enumerate(modes):
+                name = use(mode)
+                seqs = batch(b, length, ahead + steps + 2)
+                retries = alloc_retries(dev)
+                prefill_s, _ = timed(lambda: prefill(seqs), dev)
+                # Steps back to back, the device drained once before and once after: an engine that overlaps a
+                # step's host work with the previous step's device work shows it (each call launches one step).
+                hosts = []
 
-            def decode():
-                for _ in range(steps):
-                    engine.step(seqs)
-                    hosts.append(getattr(engine, "last_host_s", None))
+                def decode():
+                    for _ in range(steps):
+                        engine.step(seqs)
+                        hosts.append(getattr(engine, "last_host_s", None))
 
-            seconds, _ = timed(decode, dev)
-            dev_ms = device_ms(lambda: engine.step(seqs), dev)
-            step_ms = 1000 * seconds / steps
-            for s in seqs:
-                engine.free(s)
-            yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": "prefill", "batch": b, "prompt_len": length,
-                   "seconds": prefill_s, "tok_per_s": b * length / prefill_s, "step_ms": 1000 * prefill_s}
-            # Host time: the engine's own count where it keeps one (its step minus its wait on the device).
-            host = 1000 * statistics.median(hosts) if None not in hosts else host_ms(step_ms, dev_ms, dev)
-            yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": "decode", "batch": b, "prompt_len": length,
-                   "steps": steps, "seconds": seconds, "tok_per_s": b * steps / seconds, "step_ms": step_ms,
-                   "device_ms_per_step": dev_ms, "host_ms_per_step": host,
-                   # what of the step the device spends waiting on the host (host work not overlapped with it)
-                   "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries}
+                seconds, _ = timed(decode, dev)
+                dev_ms = device_ms(lambda: engine.step(seqs), dev)
+                step_ms = 1000 * seconds / steps
+                for s in seqs:
+                    engine.free(s)
+                if i == 0:  # prefill is the same in every mode
+                    yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": "prefill", "batch": b, "prompt_len": length,
+                           "seconds": prefill_s, "tok_per_s": b * length / prefill_s, "step_ms": 1000 * prefill_s}
+                # Host time: the engine's own count where it keeps one (its step minus its wait on the device).
+                host = 1000 * statistics.median(hosts) if None not in hosts else host_ms(step_ms, dev_ms, dev)
+                yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": name, "batch": b, "prompt_len": length,
+                       "steps": steps, "seconds": seconds, "tok_per_s": b * steps / seconds, "step_ms": step_ms,
+                       "device_ms_per_step": dev_ms, "host_ms_per_step": host,
+                       # what of the step the device spends waiting on the host (host work not overlapped with it)
+                       "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries}
 
 
 def hf_thinker_cells(cfg: MeshConfig, device: str, args):
@@ -362,6 +378,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--frames", type=int, default=16, help="talker frames per sequence")
     p.add_argument("--talker-prompt-bytes", type=int, default=32)
+    p.add_argument("--thinker-modes", default="config",
+                   help="native thinker, each batch's decode under each mode on one engine: config, plain, overlap")
     p.add_argument("--talker-modes", default="config",
                    help="native talker, each batch under each mode on one engine (one build, one capture): config, "
                         "plain, overlap; a -c2w-inline suffix waits for code2wav in the frame loop (no side stream)")

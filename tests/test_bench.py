@@ -321,3 +321,17 @@ def test_code2wav_precisions_against_float32(bench_dir):
         else:
             assert 0 < c["rel_l2"] < 0.1 and c["snr_db"] > 20, c
     assert "SNR dB" in report.main([str(out)])[0].read_text()
+
+
+def test_thinker_modes_share_one_engine(bench_dir):
+    """--thinker-modes measures each batch's decode plain and overlapped on one native thinker (one prefill
+    cell, it is the same in both); a mode the engine lacks is refused by name."""
+    out = bench_dir / "thinker-modes.json"
+    stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "thinker", "--batches", "2",
+                 "--prompt-lens", "8", "--decode-steps", "3", "--thinker-modes", "plain,overlap", "--set", "thinker.engine=native"])
+    cells = results.read(out)["cells"]
+    assert [c["mode"] for c in cells] == ["prefill", "decode plain", "decode overlap"]
+    assert all(c["tok_per_s"] > 0 for c in cells)
+    with pytest.raises(SystemExit, match="no such switch"):
+        stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(bench_dir / "none.json"), "--stages", "thinker",
+                     "--batches", "1", "--prompt-lens", "8", "--decode-steps", "2", "--thinker-modes", "overlap"])
