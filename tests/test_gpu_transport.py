@@ -14,6 +14,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8]
 SHAPES = [(1,), (7,), (3, 5), (256, 2048), (2, 3, 4), (1000, 33)]
 CFG = TransportConfig(cuda_pool_bytes=256 << 20, max_slots=512, reclaim_after_s=60.0)
+IN_FLIGHT = 64  # refs a test producer has out at once (of CFG's 512 slots and 256 MB)
 QUICK_RECLAIM = TransportConfig(cuda_pool_bytes=64 << 20, max_slots=64, reclaim_after_s=3.0)
 
 
@@ -41,6 +42,9 @@ def producer(device: str, n: int, outs, report, name: str, go) -> None:
     placement = tensor_pb2.Placement(shm_domain="local", cuda=cuda)
     pool = t.cuda_pool(torch.device(device)).table if cuda else t.pool
     for i in range(n):
+        while pool.slots_in_use >= IN_FLIGHT:  # as a stage would, with its requests in flight: the pool never fills
+            pool.sweep()
+            time.sleep(0.0005)
         ref = t.put(tensor(i, device), placement)
         assert ref.WhichOneof("location") == ("cuda" if cuda else "shm")
         outs[i % len(outs)].send((i, ref.SerializeToString()))
