@@ -147,3 +147,23 @@ def test_reads_from_another_gpu_split_into_aligned_lanes():
         assert 1 < len(parts) <= lanes and parts[0][0] == 0 and parts[-1][1] == nbytes
         assert all(a < b for a, b in parts) and all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))
         assert all(b % LANE_ALIGN == 0 for _, b in parts[:-1])
+
+
+def test_a_put_that_finds_no_room_frees_what_consumers_released_first():
+    """Puts sweep their pool at most every SWEEP_EVERY_S; one that finds no room sweeps at once, so a slot a
+    consumer just released serves it, and the gauges follow the pool."""
+    cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60)
+    producer, consumer = Transport(cfg, "roomy", "local"), Transport(cfg, "roomyc", "local")
+    try:
+        tensors = [make(torch.float32, (300,), i) for i in range(4)]
+        refs = [producer.put(t, HERE) for t in tensors[:3]]  # 1200 bytes each: the pool holds three
+        assert [r.WhichOneof("location") for r in refs] == ["shm"] * 3
+        assert metrics.SHM_SLOTS.labels("shm")._value.get() == 3
+        assert torch.equal(consumer.get(refs[1]), tensors[1])  # released: freed at the next sweep
+        ref = producer.put(tensors[3], HERE)  # within the sweep interval, yet no inline fallback
+        assert ref.WhichOneof("location") == "shm" and torch.equal(consumer.get(ref), tensors[3])
+        assert producer.pool.slots_in_use == 3  # refs[0], refs[2], and the new one's until its next sweep
+        producer.pool.sweep()
+        assert producer.pool.slots_in_use == 2 and metrics.SHM_SLOTS.labels("shm")._value.get() == 2
+    finally:
+        producer.close()
