@@ -319,15 +319,16 @@ def encoder_cells(cfg: MeshConfig, device: str, args):
 
 def code2wav_cells(cfg: MeshConfig, device: str, args):
     """code2wav alone in float32 and in each of --code2wav-dtypes (the same seeded weights, rounded): chunks of
-    each streaming shape (first, second, steady: frames with their left context) for each of --batches on the
+    each streaming shape of the config's plan (frames with their left context) for each of --batches on the
     same random codes, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it), and the
     waveforms held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by."""
     from services.llm.graphs import CapturedGraphs
     from services.model.load import load_component
 
+    from services.talker.speech import chunk_plan
+
     dev, tc = torch.device(device), cfg.talker
-    first, size, context = tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames
-    new_frames = {first: first, min(context, first) + size: size, context + size: size}  # shape -> frames of new audio
+    new_frames = dict(chunk_plan(tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames, tc.chunk_growth))
     dtypes = ["float32"] + [d for d in args.code2wav_dtypes.split(",") if d and d != "float32"]
     models = {d: load_component("code2wav", cfg.model.dir, dev, DTYPES[d], cfg.model.load_format, cfg.model.seed).requires_grad_(False)
               for d in dtypes}

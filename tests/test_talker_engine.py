@@ -322,3 +322,35 @@ def test_code2wav_runs_in_the_precision_the_config_names(tiny_model, tmp_path):
     codes = torch.randint(0, 16, (2, 12, engine.groups), generator=torch.Generator().manual_seed(0)).tolist()
     wav, ref = engine._code2wav(codes).float(), fp32._code2wav(codes).float()
     assert wav.shape == ref.shape and 0 < ((wav - ref).norm() / ref.norm()).item() < 0.1
+
+
+def test_chunk_plans():
+    """The streaming plan: the default's three shapes; a first chunk growing twice over up to the full size;
+    every chunk's left context is all the frames before it, up to the context."""
+    from services.talker.speech import chunk_plan
+
+    assert chunk_plan(5, 25, 25) == [(5, 5), (30, 25), (50, 25)]
+    assert chunk_plan(2, 25, 25, 2.0) == [(2, 2), (6, 4), (14, 8), (30, 16), (50, 25)]
+    assert chunk_plan(4, 8, 25) == [(4, 4), (12, 8), (20, 8), (28, 8), (33, 8)]
+    assert chunk_plan(3, 10, 4, 1.5) == [(3, 3), (7, 4), (10, 6), (13, 9), (14, 10)]  # Python rounds 4.5 to 4
+
+
+def test_growing_chunks_equal_transformers(tiny_model, cases):
+    """chunk_growth 2 from a first chunk of 2: chunks of 2, 4, then 8 frames (a request's last: what is left),
+    each the reference decode's samples (every frame before it is its context)."""
+    data, spec = cases
+    engine = NativeTalker(tiny_model, first_chunk_frames=2, chunk_frames=8, chunk_growth=2.0)
+    seqs, chunks = speak(engine, data, spec, list(data))
+    for name, seq in seqs.items():
+        assert seq.frames == data[name]["codes"], name
+        left, plan = len(seq.frames), []
+        for size in (2, 4, 8, 8, 8):
+            plan += [min(size, left)] if left > 0 else []
+            left -= size
+        assert [len(c.codes) for c in chunks[name]] == plan, name
+        frame = 0
+        for chunk in chunks[name]:
+            ref = data[name]["wave"][frame * 1920: frame * 1920 + len(chunk.pcm)]
+            assert len(ref) == len(chunk.pcm) and np.abs(chunk.pcm - ref).max() < 1e-5, (name, frame)
+            frame += len(chunk.codes)
+    assert max(len(c) for c in chunks.values()) >= 3  # the growth reached its third chunk somewhere

@@ -183,10 +183,14 @@ class ThinkerConfig(LMStageConfig):
 
 @dataclass
 class TalkerConfig(LMStageConfig):
-    # Streaming code2wav: a small first chunk for a low time to first audio, then chunks with left context.
+    # Streaming code2wav: a small first chunk for a low time to first audio, then chunks with left context:
+    # chunk_frames each (chunk_growth 0), or each chunk_growth times the one before up to chunk_frames, so a
+    # smaller first chunk need not leave a listener waiting for the next (each takes less time to make than
+    # the audio before it lasts).
     first_chunk_frames: int = 5
     chunk_frames: int = 25
     left_context_frames: int = 25
+    chunk_growth: float = 0.0
     # native engine with cuda_graph_max_batch: code2wav replayed from CUDA graphs for each chunk shape.
     code2wav_graphs: bool = True
     # native engine on a GPU: code2wav on a stream of its own, beside the frame loop, read back when it is done.

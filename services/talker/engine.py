@@ -52,7 +52,7 @@ class NativeTalker(SpeechEngine):
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
                  fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
-                 code2wav_dtype: torch.dtype | None = None):
+                 code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0):
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -64,8 +64,8 @@ class NativeTalker(SpeechEngine):
                               activations=fp8_activations)
         talker.to(device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
         fuse_projections_(talker)
-        super().__init__(talker, model_dir, device, dtype, load_format, seed, (first_chunk_frames, chunk_frames, left_context_frames),
-                         code2wav_dtype)
+        super().__init__(talker, model_dir, device, dtype, load_format, seed,
+                         (first_chunk_frames, chunk_frames, left_context_frames, chunk_growth), code2wav_dtype)
         text, cp = config.talker_config.text_config, config.talker_config.code_predictor_config
         blocks = kv_blocks or self._fitting_blocks(text, block_size)
         # One block more than the allocator hands out: padding rows of captured steps write there.

@@ -70,6 +70,19 @@ class TalkerSeq:
         return {name: self.marks[b] - self.marks[a] for name, a, b in order if a in self.marks and b in self.marks}
 
 
+def chunk_plan(first: int, size: int, context: int, growth: float = 0.0) -> list[tuple[int, int]]:
+    """The streaming chunks of a request until they repeat, as (frames code2wav sees: left context included,
+    new frames): `first`, then `size` each (growth 0 or 1), or each `growth` times the one before up to
+    `size`; the left context is every frame before the chunk, up to `context`."""
+    plan, start, n = [], 0, first
+    while True:
+        plan.append((min(context, start) + n, n))
+        if start >= context and n == size:
+            return plan
+        start += n
+        n = size if growth <= 1 or plan[-1][1] >= size else min(size, max(n + 1, round(n * growth)))
+
+
 @dataclass
 class SpeechChunk:
     pcm: np.ndarray  # float32 mono
@@ -121,7 +134,7 @@ class Vocoding:
 class SpeechEngine:
     """The engine protocol's request handling, shared; subclasses implement `step`."""
 
-    def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int],
+    def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int, float],
                  code2wav_dtype: torch.dtype | None = None):
         self.device, self.dtype, self.talker = torch.device(device), dtype, talker
         # code2wav may run in another precision than the talker (talker.code2wav_dtype; bench.stages code2wav
@@ -141,6 +154,7 @@ class SpeechEngine:
         self.rope_tokens = tokens_from_config(tc)
         self.tts_pad_id = spec.raw["tts_pad_token_id"]
         self.chunking = chunking
+        self.plan = chunk_plan(*chunking)  # (frames code2wav sees, new frames) of each chunk until they repeat
         self.samples_per_frame = int(self.code2wav.total_upsample)
         self.sample_rate = 24000
         self.c2w_graphs: dict[int, tuple[torch.Tensor, object]] = {}  # frames (context included) -> (codes buffer, graphs)
@@ -151,10 +165,8 @@ class SpeechEngine:
         self.live: set[int] = set()  # requests added and not freed: chunks of freed ones are dropped
 
     def chunk_shapes(self) -> list[int]:
-        """The frame counts (left context included) code2wav sees for every chunk but a request's last: the
-        first chunk, the second (its context is the first), and every later one."""
-        first, size, context = self.chunking
-        return sorted({first, min(context, first) + size, context + size})
+        """The frame counts (left context included) code2wav sees for every chunk but a request's last."""
+        return sorted({frames for frames, _ in self.plan})
 
     def capture_code2wav(self, max_batch: int) -> None:
         """code2wav over each chunk shape, replayed from CUDA graphs for a ladder of batch sizes up to
@@ -291,12 +303,17 @@ class SpeechEngine:
         return out
 
     def _next_chunk(self, seq: TalkerSeq) -> tuple[int, int, int] | None:
-        """(start, end, left context) of the next chunk ready for audio: a small first one, then full ones
-        with left context, and whatever is left once the request is done."""
-        first, size, context = self.chunking
+        """(start, end, left context) of the next chunk ready for audio: the plan's (a small first one, then
+        larger ones with left context), and whatever is left once the request is done."""
+        context = self.chunking[2]
         if seq.decoded >= len(seq.frames):
             return None
-        need = first if seq.decoded == 0 else size
+        start, need = 0, 0
+        for _, need in self.plan:  # chunks are taken whole but a request's last: one starts where the plan says
+            if start >= seq.decoded:
+                break
+            start += need
+        need = need if start == seq.decoded else self.plan[-1][1]  # past the plan: its steady size
         if len(seq.frames) - seq.decoded < need and not seq.done:
             return None
         start = seq.decoded
