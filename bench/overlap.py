@@ -80,7 +80,7 @@ def variants(devices: list[str]) -> dict:
         ready = torch.cuda.Event()
         ready.record(engine)
         _spin(legacy)
-        out["default stream busy: CudaPool.put after a ready event"] = _timed(lambda: pool.put(src, ready), legacy)
+        out["default stream busy: CudaPool.put after a ready event"] = _timed(lambda: pool.put([src], ready), legacy)
     finally:
         pool.close()
     return out

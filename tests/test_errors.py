@@ -243,11 +243,11 @@ def test_thinker_states_out_of_order_fail_the_talker_call_at_once(any_mesh):
     inline = Transport(TransportConfig(shm=False, cuda_ipc=False), "test", "")
     start = talker_pb2.TalkerStart(request_id="ooo", prompt_ids=ids, voice="", tts_embeds=inline.put(torch.zeros(3, hidden), None))
     start.sampling.max_tokens = 4
-    rows = inline.put(torch.zeros(2, hidden), None)
+    rows = inline.put(torch.zeros(2, 2, hidden), None)  # embeds and hidden of two positions
 
     def messages():
         yield talker_pb2.TalkerInput(start=start)
-        yield talker_pb2.TalkerInput(states=talker_pb2.ThinkerStates(start=5, embeds=rows, hidden=rows))
+        yield talker_pb2.TalkerInput(states=talker_pb2.ThinkerStates(start=5, states=rows))
         time.sleep(30)  # the stream stays open: the error must not wait for its end
         yield talker_pb2.TalkerInput(end=talker_pb2.TextEnd())
 

@@ -232,3 +232,36 @@ def test_a_read_from_another_gpu_in_lanes_is_bit_exact(lanes):
         got = read(pool, offset, nbytes, dtype, (nbytes // dtype.itemsize,), devices()[1], lanes)
         assert got.device == torch.device(devices()[1])
         assert torch.equal(got.view(torch.uint8).cpu(), pool[offset:offset + nbytes].cpu()), (offset, nbytes, lanes)
+
+
+def _put_stacks(refs_out) -> None:
+    from services.runtime.transport import Transport
+
+    t = Transport(CFG, "stackprod", "local")
+    placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
+    x = torch.stack([tensor(3, "cuda:0")] * 4)  # non-contiguous parts below: every other row
+    refs_out.send([t.put([x[0], x[1] * 2], placement).SerializeToString(), t.put([x[::2], x[1::2]], placement).SerializeToString()])
+    refs_out.recv()  # the consumer has read them
+    t.close()
+
+
+def test_tensors_put_together_cross_gpus_as_their_stack():
+    """put([a, b]) of CUDA tensors: one CUDA IPC slot, each part copied into it (non-contiguous parts too);
+    the consumer on the other GPU reads their stack."""
+    from services.runtime.transport import Transport
+
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_put_stacks, args=(theirs,))
+    proc.start()
+    try:
+        assert mine.poll(120)
+        first, second = (tensor_pb2.TensorRef.FromString(r) for r in mine.recv())
+        t = Transport(CFG, "stackcons", "local")
+        x = torch.stack([tensor(3, "cpu")] * 4)
+        for ref, want in ((first, torch.stack([x[0], x[1] * 2])), (second, torch.stack([x[::2], x[1::2]]))):
+            assert ref.WhichOneof("location") == "cuda"
+            assert torch.equal(t.get(ref, devices()[1]).cpu(), want)
+        mine.send(None)
+    finally:
+        proc.join(timeout=60)

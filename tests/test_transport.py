@@ -167,3 +167,17 @@ def test_a_put_that_finds_no_room_frees_what_consumers_released_first():
         assert producer.pool.slots_in_use == 2 and metrics.SHM_SLOTS.labels("shm")._value.get() == 2
     finally:
         producer.close()
+
+
+@pytest.mark.parametrize("placement", [HERE, ELSEWHERE], ids=["shm", "inline"])
+def test_tensors_put_together_come_back_as_their_stack(pair, placement):
+    """put([a, b]): one ref of shape [2, *shape] (the thinker's embeds and hidden states, one slot for both);
+    parts that differ in shape or dtype, or none, are refused."""
+    producer, consumer = pair
+    a, b = make(torch.bfloat16, (3, 16), 1), make(torch.bfloat16, (3, 16), 2)
+    ref = producer.put([a, b], placement)
+    assert list(ref.shape) == [2, 3, 16] and ref.WhichOneof("location") == ("shm" if placement is HERE else "inline_data")
+    assert torch.equal(consumer.get(ref), torch.stack([a, b]))
+    for bad in ([a, b[:2]], [a, b.float()], []):
+        with pytest.raises(ValueError, match="same shape, dtype and device"):
+            producer.put(bad, placement)

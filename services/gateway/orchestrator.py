@@ -198,9 +198,9 @@ class Gateway:
                         if out.HasField("token_embeds"):
                             start.tts_embeds.CopyFrom(out.token_embeds)
                             talker_inputs.put_nowait(talker_pb2.TalkerInput(start=start))
-                        if out.HasField("embeds"):
+                        if out.HasField("states"):
                             talker_inputs.put_nowait(talker_pb2.TalkerInput(states=talker_pb2.ThinkerStates(
-                                start=out.state_start, embeds=out.embeds, hidden=out.hidden)))
+                                start=out.state_start, states=out.states)))
                     progress.completion_tokens += len(out.token_ids)
                     if not progress.first_token:
                         progress.first_token = time.perf_counter() - progress.t0

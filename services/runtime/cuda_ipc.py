@@ -40,24 +40,26 @@ class CudaPool:
             event_sync_required=event_sync, pool_bytes=size,
         )
 
-    def put(self, tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> tensor_pb2.CudaIpcSlot | None:
-        """Copies `tensor` into a slot. The consumer reads from another process, so the bytes are there before
-        this returns: with `ready` (recorded after the tensor's producer) the copy waits for that alone, on a
-        stream of its own, not for work the stage queued since (its engine's next step)."""
-        nbytes = tensor.numel() * tensor.element_size()
+    def put(self, parts: list[torch.Tensor], ready: torch.cuda.Event | None = None) -> tensor_pb2.CudaIpcSlot | None:
+        """Copies `parts` (one tensor, or several laid end to end: a stack without stacking them) into a slot.
+        The consumer reads from another process, so the bytes are there before this returns: with `ready`
+        (recorded after the tensors' producer) the copies wait for that alone, on a stream of their own, not for
+        work the stage queued since (its engine's next step)."""
+        sizes = [t.numel() * t.element_size() for t in parts]
+        nbytes = sum(sizes)
         got = self.table.alloc(nbytes)
         if got is None:
             return None
         slot, gen, offset = got
-        dst = self.buffer[offset:offset + nbytes]
-        if ready is None:
-            dst.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-            torch.cuda.current_stream(self.device).synchronize()
-        else:
-            self.stream.wait_event(ready)
-            with torch.cuda.stream(self.stream):
-                dst.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-            self.stream.synchronize()
+        stream = torch.cuda.current_stream(self.device) if ready is None else self.stream
+        if ready is not None:
+            stream.wait_event(ready)
+        at = offset
+        with torch.cuda.stream(stream):
+            for t, n in zip(parts, sizes):
+                self.buffer[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                at += n
+        stream.synchronize()
         return tensor_pb2.CudaIpcSlot(pool=self.table.name, slot=slot, generation=gen, offset=offset, nbytes=nbytes, handle=self.handle)
 
     def close(self) -> None:

@@ -228,23 +228,31 @@ class Transport:
         metrics.TRANSPORT_BYTES.labels(transport, direction).inc(nbytes)
         metrics.TRANSPORT_TRANSFERS.labels(transport, direction).inc()
 
-    def put(self, tensor: torch.Tensor, placement: tensor_pb2.Placement | None, ready=None) -> tensor_pb2.TensorRef:
-        """A ref to `tensor` for a consumer at `placement`. A CUDA tensor is read once it is complete: after
-        `ready` (a CUDA event recorded after its producer), else after everything queued on the current stream."""
-        tensor = tensor.detach()
-        if tensor.dtype not in DTYPES:
-            raise TypeError(f"unsupported dtype {tensor.dtype}")
-        ref = tensor_pb2.TensorRef(dtype=DTYPES[tensor.dtype], shape=list(tensor.shape))
-        nbytes = tensor.numel() * tensor.element_size()
+    def put(self, tensor: torch.Tensor | list[torch.Tensor], placement: tensor_pb2.Placement | None,
+            ready=None) -> tensor_pb2.TensorRef:
+        """A ref to `tensor` for a consumer at `placement`; a list of tensors of one shape and dtype goes as
+        their stack (one ref, one copy each into one slot: not stacked first). A CUDA tensor is read once it is
+        complete: after `ready` (a CUDA event recorded after its producer), else after everything queued on
+        the current stream."""
+        stacked = isinstance(tensor, (list, tuple))
+        parts = [t.detach() for t in tensor] if stacked else [tensor.detach()]
+        first = parts[0] if parts else None
+        if first is None or any(t.shape != first.shape or t.dtype != first.dtype or t.device != first.device for t in parts):
+            raise ValueError("tensors put together must be one or more of the same shape, dtype and device")
+        if first.dtype not in DTYPES:
+            raise TypeError(f"unsupported dtype {first.dtype}")
+        ref = tensor_pb2.TensorRef(dtype=DTYPES[first.dtype], shape=[len(parts), *first.shape] if stacked else list(first.shape))
+        nbytes = len(parts) * first.numel() * first.element_size()
         same_host = bool(nbytes and self.shm_domain and placement is not None and placement.shm_domain == self.shm_domain)
-        if same_host and tensor.is_cuda and placement.cuda and self.cfg.cuda_ipc:
-            pool = self.cuda_pool(tensor.device)
-            slot = pool.put(tensor, ready)
+        if same_host and first.is_cuda and placement.cuda and self.cfg.cuda_ipc:
+            pool = self.cuda_pool(first.device)
+            slot = pool.put(parts, ready)
             if slot is not None:
                 ref.cuda.CopyFrom(slot)
                 self._count("cuda_ipc", "out", nbytes)
                 return ref
             metrics.SHM_FALLBACKS.labels(pool.table.kind).inc()
+        tensor = torch.stack(parts) if stacked else first  # by value from here: host memory or bytes
         if same_host:
             got = self.pool.alloc(nbytes)
             if got is not None:

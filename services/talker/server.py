@@ -46,15 +46,16 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         try:
             async for msg in inputs:
                 if msg.HasField("states") and seq.done:
-                    self.transport.release(msg.states.embeds)
-                    self.transport.release(msg.states.hidden)
+                    self.transport.release(msg.states.states)
                 elif msg.HasField("states"):
                     s = msg.states
                     if s.start != expected:
                         raise InvalidArgument(f"thinker states out of order: position {s.start}, expected {expected}")
-                    embeds, hidden = self.transport.get(s.embeds, self.engine.device), self.transport.get(s.hidden, self.engine.device)
-                    expected += len(embeds)
-                    seq.inbox.append((embeds, hidden))
+                    if len(s.states.shape) != 3 or s.states.shape[0] != 2:
+                        raise InvalidArgument(f"thinker states of shape {list(s.states.shape)}: expected [2, rows, hidden]")
+                    both = self.transport.get(s.states, self.engine.device)
+                    expected += both.shape[1]
+                    seq.inbox.append((both[0], both[1]))
                 elif msg.HasField("end"):
                     break
                 self.worker.notify()

@@ -48,10 +48,9 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
             async for step in handle.outputs():
                 out = thinker_pb2.ThinkerOutput(token_ids=step.token_ids)
                 TOKENS.labels("thinker").inc(len(step.token_ids))
-                if step.embeds is not None:
+                if step.embeds is not None:  # both in one slot: one copy each, one ref, one read at the talker
                     out.state_start = step.state_start
-                    out.embeds.CopyFrom(self.transport.put(step.embeds, request.placement, step.ready))
-                    out.hidden.CopyFrom(self.transport.put(step.hidden, request.placement, step.ready))
+                    out.states.CopyFrom(self.transport.put([step.embeds, step.hidden], request.placement, step.ready))
                 if step.token_embeds is not None:
                     out.token_embeds.CopyFrom(self.transport.put(step.token_embeds, request.placement, step.ready))
                 if step.stop_reason:

@@ -26,7 +26,7 @@ from omni.stage.v1 import common_pb2 as omni_dot_stage_dot_v1_dot_common__pb2
 from omni.stage.v1 import tensor_pb2 as omni_dot_stage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomni/stage/v1/talker.proto\x12\romni.stage.v1\x1a\x1aomni/stage/v1/common.proto\x1a\x1aomni/stage/v1/tensor.proto\"\xc9\x01\n\x0bTalkerStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.omni.stage.v1.MediaLayout\x12\r\n\x05voice\x18\x04 \x01(\t\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.omni.stage.v1.Sampling\x12,\n\ntts_embeds\x18\x06 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\"r\n\rThinkerStates\x12\r\n\x05start\x18\x01 \x01(\x05\x12(\n\x06\x65mbeds\x18\x02 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\x12(\n\x06hidden\x18\x03 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\"\t\n\x07TextEnd\"\x9a\x01\n\x0bTalkerInput\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.omni.stage.v1.TalkerStartH\x00\x12.\n\x06states\x18\x02 \x01(\x0b\x32\x1c.omni.stage.v1.ThinkerStatesH\x00\x12%\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x16.omni.stage.v1.TextEndH\x00\x42\x07\n\x05\x65vent\"j\n\x0bSpeechChunk\x12\x0b\n\x03pcm\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\r\n\x05\x63odes\x18\x03 \x03(\x05\x12\x15\n\rnum_codebooks\x18\x04 \x01(\x05\x12\x13\n\x0b\x66irst_frame\x18\x05 \x01(\x05\"U\n\x0eTalkerFinished\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x0b\n\x03\x65os\x18\x02 \x01(\x08\x12&\n\x07timings\x18\x03 \x03(\x0b\x32\x15.omni.stage.v1.Timing\"w\n\x0cTalkerOutput\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.omni.stage.v1.SpeechChunkH\x00\x12\x31\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1d.omni.stage.v1.TalkerFinishedH\x00\x42\x07\n\x05\x65vent2S\n\x06Talker\x12I\n\nSynthesize\x12\x1a.omni.stage.v1.TalkerInput\x1a\x1b.omni.stage.v1.TalkerOutput(\x01\x30\x01\x42V\n\x1a\x64\x65v.omnimesh.omni.stage.v1P\x01Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomni/stage/v1/talker.proto\x12\romni.stage.v1\x1a\x1aomni/stage/v1/common.proto\x1a\x1aomni/stage/v1/tensor.proto\"\xc9\x01\n\x0bTalkerStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.omni.stage.v1.MediaLayout\x12\r\n\x05voice\x18\x04 \x01(\t\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.omni.stage.v1.Sampling\x12,\n\ntts_embeds\x18\x06 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\"N\n\rThinkerStates\x12\r\n\x05start\x18\x01 \x01(\x05\x12(\n\x06states\x18\x02 \x01(\x0b\x32\x18.omni.stage.v1.TensorRefJ\x04\x08\x03\x10\x04\"\t\n\x07TextEnd\"\x9a\x01\n\x0bTalkerInput\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.omni.stage.v1.TalkerStartH\x00\x12.\n\x06states\x18\x02 \x01(\x0b\x32\x1c.omni.stage.v1.ThinkerStatesH\x00\x12%\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x16.omni.stage.v1.TextEndH\x00\x42\x07\n\x05\x65vent\"j\n\x0bSpeechChunk\x12\x0b\n\x03pcm\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\r\n\x05\x63odes\x18\x03 \x03(\x05\x12\x15\n\rnum_codebooks\x18\x04 \x01(\x05\x12\x13\n\x0b\x66irst_frame\x18\x05 \x01(\x05\"U\n\x0eTalkerFinished\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x05\x12\x0b\n\x03\x65os\x18\x02 \x01(\x08\x12&\n\x07timings\x18\x03 \x03(\x0b\x32\x15.omni.stage.v1.Timing\"w\n\x0cTalkerOutput\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.omni.stage.v1.SpeechChunkH\x00\x12\x31\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1d.omni.stage.v1.TalkerFinishedH\x00\x42\x07\n\x05\x65vent2S\n\x06Talker\x12I\n\nSynthesize\x12\x1a.omni.stage.v1.TalkerInput\x1a\x1b.omni.stage.v1.TalkerOutput(\x01\x30\x01\x42V\n\x1a\x64\x65v.omnimesh.omni.stage.v1P\x01Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TALKERSTART']._serialized_start=102
   _globals['_TALKERSTART']._serialized_end=303
   _globals['_THINKERSTATES']._serialized_start=305
-  _globals['_THINKERSTATES']._serialized_end=419
-  _globals['_TEXTEND']._serialized_start=421
-  _globals['_TEXTEND']._serialized_end=430
-  _globals['_TALKERINPUT']._serialized_start=433
-  _globals['_TALKERINPUT']._serialized_end=587
-  _globals['_SPEECHCHUNK']._serialized_start=589
-  _globals['_SPEECHCHUNK']._serialized_end=695
-  _globals['_TALKERFINISHED']._serialized_start=697
-  _globals['_TALKERFINISHED']._serialized_end=782
-  _globals['_TALKEROUTPUT']._serialized_start=784
-  _globals['_TALKEROUTPUT']._serialized_end=903
-  _globals['_TALKER']._serialized_start=905
-  _globals['_TALKER']._serialized_end=988
+  _globals['_THINKERSTATES']._serialized_end=383
+  _globals['_TEXTEND']._serialized_start=385
+  _globals['_TEXTEND']._serialized_end=394
+  _globals['_TALKERINPUT']._serialized_start=397
+  _globals['_TALKERINPUT']._serialized_end=551
+  _globals['_SPEECHCHUNK']._serialized_start=553
+  _globals['_SPEECHCHUNK']._serialized_end=659
+  _globals['_TALKERFINISHED']._serialized_start=661
+  _globals['_TALKERFINISHED']._serialized_end=746
+  _globals['_TALKEROUTPUT']._serialized_start=748
+  _globals['_TALKEROUTPUT']._serialized_end=867
+  _globals['_TALKER']._serialized_start=869
+  _globals['_TALKER']._serialized_end=952
 # @@protoc_insertion_point(module_scope)

@@ -25,14 +25,12 @@ class TalkerStart(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[_common_pb2.MediaLayout, _Mapping]] = ..., voice: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., tts_embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...
 
 class ThinkerStates(_message.Message):
-    __slots__ = ("start", "embeds", "hidden")
+    __slots__ = ("start", "states")
     START_FIELD_NUMBER: _ClassVar[int]
-    EMBEDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     start: int
-    embeds: _tensor_pb2.TensorRef
-    hidden: _tensor_pb2.TensorRef
-    def __init__(self, start: _Optional[int] = ..., embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...
+    states: _tensor_pb2.TensorRef
+    def __init__(self, start: _Optional[int] = ..., states: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...
 
 class TextEnd(_message.Message):
     __slots__ = ()

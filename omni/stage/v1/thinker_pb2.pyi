@@ -51,21 +51,19 @@ class ThinkerRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[float]] = ..., rope_delta: _Optional[float] = ..., spans: _Optional[_Iterable[_Union[MultimodalSpan, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., return_states: _Optional[bool] = ..., placement: _Optional[_Union[_tensor_pb2.Placement, _Mapping]] = ..., embed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ThinkerOutput(_message.Message):
-    __slots__ = ("token_ids", "state_start", "embeds", "hidden", "stop_reason", "prompt_tokens", "timings", "token_embeds")
+    __slots__ = ("token_ids", "state_start", "states", "stop_reason", "prompt_tokens", "timings", "token_embeds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STATE_START_FIELD_NUMBER: _ClassVar[int]
-    EMBEDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     state_start: int
-    embeds: _tensor_pb2.TensorRef
-    hidden: _tensor_pb2.TensorRef
+    states: _tensor_pb2.TensorRef
     stop_reason: StopReason
     prompt_tokens: int
     timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.Timing]
     token_embeds: _tensor_pb2.TensorRef
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., state_start: _Optional[int] = ..., embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., hidden: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., prompt_tokens: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.Timing, _Mapping]]] = ..., token_embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., state_start: _Optional[int] = ..., states: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., prompt_tokens: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.Timing, _Mapping]]] = ..., token_embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ...) -> None: ...
