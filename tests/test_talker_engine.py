@@ -215,13 +215,13 @@ def test_a_request_larger_than_the_cache_is_refused(tiny_model, cases):
 
 
 def test_seeded_speech_repeats_whatever_shares_its_steps(tiny_model, cases):
-    """Sampled speech (talker and code predictor) from a seed: the same codes alone or batched with another
-    request, other codes from another seed."""
+    """Sampled speech (talker and code predictor) from a seed: the same codes alone, batched with another
+    request or overlapped (each frame's draws keyed by its own index, read or not), other codes from another seed."""
     data, spec = cases
     d, other = data["text"], data["image"]
 
-    def speak(seed: int, with_other: bool) -> list:
-        engine = NativeTalker(tiny_model)
+    def speak(seed: int, with_other: bool, overlap: bool = False) -> list:
+        engine = NativeTalker(tiny_model, overlap=overlap)
         seqs = []
         for name, x, s in [("a", d, seed)] + ([("b", other, 99)] if with_other else []):
             seq = TalkerSeq(name, x["ids"], x["layout"], spec.voices["ethan"],
@@ -237,6 +237,7 @@ def test_seeded_speech_repeats_whatever_shares_its_steps(tiny_model, cases):
     alone = speak(5, False)
     assert len(alone) == 8
     assert speak(5, True) == alone
+    assert speak(5, True, overlap=True) == alone
     assert speak(6, False) != alone
 
 

@@ -300,7 +300,7 @@ class NativeTalker(SpeechEngine):
         b = self.cp_graphs.size_for(n) if graph else n
         params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy
         ints = torch.tensor([[p.top_k or self.cp_top_k for p in params], [p.seed & (2**63 - 1) for p in params],
-                             [len(s.frames) * self.groups for s in seqs] + [0] * (b - n)])
+                             [(len(s.frames) + s.frames_unread) * self.groups for s in seqs] + [0] * (b - n)])  # frame index
         upload_into(self.cp_ints[1:, :b], ints)
         upload_into(self.cp_floats[:, :b], [[p.temperature for p in params], [p.top_p for p in params]])
         self.cp_ints[0, :n] = code0
