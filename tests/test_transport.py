@@ -142,6 +142,10 @@ def test_reads_from_another_gpu_split_into_aligned_lanes():
 
     assert lane_bounds(LANE_MIN_BYTES - 2, 4) == [(0, LANE_MIN_BYTES - 2)]
     assert lane_bounds(64 << 20, 1) == [(0, 64 << 20)]
+    mb = 1 << 20
+    assert lane_bounds(64 * mb, 4) == [(0, 16 * mb), (16 * mb, 32 * mb), (32 * mb, 48 * mb), (48 * mb, 64 * mb)]
+    step = 54 * LANE_ALIGN  # a third of 10 MB, rounded up to 64 KB
+    assert lane_bounds(10 * mb + 6, 3) == [(0, step), (step, 2 * step), (2 * step, 10 * mb + 6)]
     for nbytes, lanes in ((64 << 20, 4), ((24 << 20) + 6, 4), (LANE_MIN_BYTES, 3), ((100 << 20) + 2, 7)):
         parts = lane_bounds(nbytes, lanes)
         assert 1 < len(parts) <= lanes and parts[0][0] == 0 and parts[-1][1] == nbytes

@@ -129,8 +129,6 @@ class Vocoding:
     end: object
 
 
-
-
 class SpeechEngine:
     """The engine protocol's request handling, shared; subclasses implement `step`."""
 
