@@ -265,3 +265,18 @@ def test_tensors_put_together_cross_gpus_as_their_stack():
         mine.send(None)
     finally:
         proc.join(timeout=60)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_mark_on_the_second_gpu_waits_for_its_work_whatever_the_threads_gpu():
+    """A talker on GPU1 reads its codes once its `mark` is reached: the mark must follow GPU1's work even where
+    the thread's current GPU is GPU0 (it did not: the mesh's talker read codes the device had not written)."""
+    from services.talker.speech import mark, reached, wait_for
+
+    torch.cuda.set_device(0)
+    with torch.cuda.device(1):
+        torch.cuda._sleep(2_000_000_000)  # about a second of one GPU1 thread spinning
+    m = mark(torch.device("cuda:1"))
+    assert not reached(m)
+    wait_for(m)
+    assert reached(m)

@@ -76,7 +76,7 @@ class ReferenceEncoder:
                 job.done, job.seconds = True, time.perf_counter() - t0
         if self.device.type == "cuda":  # the transport copies them once this is reached, not after later steps
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.device))
             for _, encoded in out:
                 for e in encoded:
                     e.ready = ready

@@ -22,6 +22,7 @@ from omni.stage.v1 import load_pb2
 from services.runtime import metrics
 from services.runtime.config import MeshConfig, load_config
 from services.runtime.metrics import parse
+from services.runtime.worker import use_device
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_message_bytes: int = STAGE_MESSAGE_BYTES) -> None:
     r = cfg.replicas(stage)[replica]
+    use_device(r.device)
     metrics.set_stage(stage)
     start_http_server(r.metrics_port, addr=r.bind_address.rsplit(":", 1)[0])
     server = grpc.aio.server(options=grpc_options(max_message_bytes))

@@ -17,6 +17,16 @@ log = logging.getLogger(__name__)
 DONE = object()
 
 
+def use_device(device: str) -> None:
+    """Makes `device` this thread's current GPU (a no-op on the CPU). CUDA keeps one per thread, GPU0 unless set:
+    work, streams and events that name no device go there, so without this a stage on GPU1 records its events
+    on GPU0's stream and its waits wait for nothing (its host read back codes the device had not written)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(device)
+
+
 class Engine(Protocol):
     def add(self, req) -> None: ...
     def ready(self, req) -> bool: ...
@@ -107,6 +117,7 @@ class EngineWorker:
         self._cancelled.clear()
 
     def _run(self) -> None:
+        use_device(str(getattr(self.engine, "device", "cpu")))  # the current GPU is per thread
         while True:
             with self._cond:
                 while not self._stopped and not self._new and not self._cancelled and not any(

@@ -97,12 +97,13 @@ class TalkerStep:
 
 
 def mark(device: torch.device):
-    """A point on the device's timeline: a CUDA event recorded on the current stream on a GPU, the host's clock
-    elsewhere (where the work between two marks is done when the second is taken)."""
+    """A point on the device's timeline: a CUDA event recorded on `device`'s current stream on a GPU (named: a
+    thread's current device may be another GPU), the host's clock elsewhere (where the work between two marks is
+    done when the second is taken)."""
     if device.type != "cuda":
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
 
 

@@ -244,7 +244,7 @@ class NativeThinker:
             positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
             attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
             if planned is not None:
-                planned.record()
+                planned.record(torch.cuda.current_stream(self.device))
             embeds = self.model.model.embed_tokens(ids)
             with step_context(attention, self.moe):
                 hidden, captured = self.model(embeds, positions, capture_layer=self.accept_layer if any(send) else None)
@@ -260,7 +260,7 @@ class NativeThinker:
             host = torch.empty(n, dtype=torch.long, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
         for w, sent in zip(work, send):
             if sent:
                 w.seq.states_sent = w.start + 1
@@ -318,7 +318,7 @@ class NativeThinker:
         upload_into(self.decode_inputs[1, :n], [w.start + w.seq.owner.rope_delta for w in work])
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         if planned is not None:
-            planned.record()
+            planned.record(torch.cuda.current_stream(self.device))
         return self.graphs.replay(b)
 
     def _graph_step(self, work: list[Work]):
@@ -402,7 +402,7 @@ class NativeThinker:
         carrying = [step for _, step in out if step.embeds is not None or step.token_embeds is not None]
         if carrying and self.device.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.device))
             for step in carrying:
                 step.ready = ready
         return out
