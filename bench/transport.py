@@ -5,7 +5,8 @@
 Per size and route, the producer's put (copy into its pool, synchronised), the message time (the ref
 through a pipe, standing in for gRPC), and the consumer's get (read into its own GPU memory,
 synchronised). "ready" = put + get: how long after the producer starts handing over the tensor is
-in the consumer's hands, message time excluded. With --profile DIR, each side's measured puts or gets run
+in the consumer's hands, message time excluded. --cross-gpu-read source,pull measures both ways a GPU reads
+another GPU's pool (transport.cross_gpu_read). With --profile DIR, each side's measured puts or gets run
 under cProfile, its busiest functions written to DIR (where the fixed hundred-odd microseconds go).
 """
 
@@ -131,6 +132,8 @@ def main(argv=None) -> None:
     parser.add_argument("--transports", default="cuda_ipc,bytes")
     parser.add_argument("--profile", default="", help="a folder for each side's cProfile report of each cell")
     parser.add_argument("--read-lanes", type=int, default=1, help="transport.read_lanes: parts of a large read from another GPU")
+    parser.add_argument("--cross-gpu-read", default="source",
+                        help="transport.cross_gpu_read, one or more of source,pull: across GPUs, a cell for each")
     args = parser.parse_args(argv)
     cfg = dataclasses.replace(CFG, read_lanes=args.read_lanes)
     gpus = torch.cuda.device_count()
@@ -147,14 +150,17 @@ def main(argv=None) -> None:
             nbytes = SIZES[label]
             for key in args.transports.split(","):
                 transport, cuda = transports[key]
-                profile = args.profile and os.path.join(args.profile, f"{src[-1]}to{dst[-1]}-{label}-{key}")
-                cell = {"route": route, "size": label, "transport": transport,
-                        **measure(cfg, src, dst, nbytes, cuda, args.reps, profile)}
-                result["cells"].append(cell)
-                write(result, args.out)  # after every cell: a run cut short keeps what it measured
-                print(f"{route:13s} {label:5s} {transport:15s} put {cell['put_us']:9.1f} us  get {cell['get_us']:9.1f} us  "
-                      f"ready {cell['ready_us']:9.1f} us  msg {cell['message_us']:8.1f} us  {cell['get_GBps']:7.1f} GB/s  "
-                      f"(first get {cell['first_get_us']:.0f} us)", flush=True)
+                reads = args.cross_gpu_read.split(",") if cuda and src != dst else ["source"]
+                for read in reads:
+                    name = f"{transport}, {read}" if len(reads) > 1 or read != "source" else transport
+                    profile = args.profile and os.path.join(args.profile, f"{src[-1]}to{dst[-1]}-{label}-{key}-{read}")
+                    cell = {"route": route, "size": label, "transport": name, "cross_gpu_read": read,
+                            **measure(dataclasses.replace(cfg, cross_gpu_read=read), src, dst, nbytes, cuda, args.reps, profile)}
+                    result["cells"].append(cell)
+                    write(result, args.out)  # after every cell: a run cut short keeps what it measured
+                    print(f"{route:13s} {label:5s} {name:22s} put {cell['put_us']:9.1f} us  get {cell['get_us']:9.1f} us  "
+                          f"ready {cell['ready_us']:9.1f} us  msg {cell['message_us']:8.1f} us  {cell['get_GBps']:7.1f} GB/s  "
+                          f"(first get {cell['first_get_us']:.0f} us)", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ def test_shipped_configs_load():
     (lambda c: c["encoder"]["replicas"][0].update(prefer_for=["video"]), "not one of"),
     (lambda c: c["limits"].update(max_new_tokens=True) if "limits" in c else c.update(limits={"max_new_tokens": True}), "expected int"),
     (lambda c: c["model"].update(path=""), "model.path is required"),
+    (lambda c: c.setdefault("transport", {}).update(cross_gpu_read="push"), "not one of"),
 ])
 def test_mistakes_are_named(tmp_path, change, message):
     data = base()

@@ -1,5 +1,6 @@
 """CUDA IPC transport between real processes: a producer on GPU0, consumers on GPU0 and GPU1."""
 
+import dataclasses
 import multiprocessing as mp
 import time
 
@@ -280,3 +281,48 @@ def test_a_mark_on_the_second_gpu_waits_for_its_work_whatever_the_threads_gpu():
     assert not reached(m)
     wait_for(m)
     assert reached(m)
+
+
+PULL_SIZES = [(8 << 10) + 6, 1 << 20, (20 << 20) + 6]  # bytes: one state row and a bit, an embedding, a lane-split read
+
+
+def _pull_data(nbytes: int, device) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)).to(device)
+
+
+def _put_for_pull(refs_out) -> None:
+    from services.runtime.transport import Transport
+
+    t = Transport(CFG, "pullprod", "local")
+    placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
+    refs_out.send([[t.put(_pull_data(n, "cuda:0").view(torch.int16), placement).SerializeToString() for n in PULL_SIZES]
+                   for _ in range(2)])
+    refs_out.recv()  # the consumer has read them
+    t.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_gpu1_pulls_gpu0s_pool_bit_exact(lanes):
+    """transport.cross_gpu_read: pull: GPU1 maps GPU0's pool into its own context and copies with its own copy
+    engines (in lanes for a large read): every byte where it belongs, the tensor on GPU1, the slot released."""
+    from services.runtime.transport import Transport
+
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_put_for_pull, args=(theirs,))
+    proc.start()
+    try:
+        assert mine.poll(120)
+        t = Transport(dataclasses.replace(CFG, cross_gpu_read="pull", read_lanes=lanes), "pullcons", "local")
+        for refs in mine.recv():  # twice: the second round reads through the mapping the first one made
+            for n, data in zip(PULL_SIZES, refs):
+                ref = tensor_pb2.TensorRef.FromString(data)
+                got = t.get(ref, "cuda:1")
+                want = _pull_data(n, "cpu")
+                assert got.device == torch.device("cuda:1")
+                assert got.dtype == torch.int16 and torch.equal(got.cpu().view(torch.uint8), want), (n, lanes)
+        assert list(t._peers) == [(ref.cuda.pool, 1)] and not t._mapped  # no context of this process on GPU0's pool
+        mine.send(None)
+    finally:
+        proc.join(timeout=60)

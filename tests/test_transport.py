@@ -185,3 +185,16 @@ def test_tensors_put_together_come_back_as_their_stack(pair, placement):
     for bad in ([a, b[:2]], [a, b.float()], []):
         with pytest.raises(ValueError, match="same shape, dtype and device"):
             producer.put(bad, placement)
+
+
+def test_the_cuda_handle_inside_pytorchs_storage_handle():
+    """A pull read maps the pool through the CUDA runtime, which takes the bare cudaIpcMemHandle_t: PyTorch's
+    handle wraps it in a version byte (2 up to PyTorch 2.12, 3 in 2.13) and a kind byte ('c': cudaMalloc)."""
+    from services.runtime.cuda_ipc import ipc_handle_bytes
+
+    raw = bytes(range(64))
+    assert ipc_handle_bytes(bytes([2]) + b"c" + raw) == raw
+    assert ipc_handle_bytes(bytes([3]) + b"c" + raw) == raw
+    assert ipc_handle_bytes(raw) == raw
+    with pytest.raises(ValueError, match="kind b'e'"):  # an expandable segment's: another layout
+        ipc_handle_bytes(bytes([2]) + b"e" + bytes(80))

@@ -87,6 +87,10 @@ class TransportConfig:
     # A tensor of 8 MB or more read from another GPU is copied in this many parts at once, each on its own
     # streams (bench.transport --read-lanes measures it).
     read_lanes: int = 1
+    # How a GPU reads a pool on another GPU: "source", PyTorch's copy between GPUs (launched on the producer's
+    # GPU: this process keeps a context there, time-sliced with the producer's), or "pull", the pool mapped
+    # into the reading GPU's context and copied by that GPU (bench.transport --cross-gpu-read measures both).
+    cross_gpu_read: Literal["source", "pull"] = "source"
 
 
 @dataclass

@@ -2,12 +2,15 @@
 
 A producer allocates one buffer per GPU once and exports its IPC handle once; every ref carries that
 handle, and a consumer maps each pool the first time it sees it and keeps the mapping. A consumer on
-another GPU reads through peer access into its own memory. The slot table (release, reclaim) is a
-ShmPool without host data. Exported memory must not come from expandable segments: PyTorch cannot
-share those.
+another GPU reads through peer access into its own memory: either as PyTorch copies between GPUs (the copy
+launched on the source GPU, so the consumer keeps a context there beside the producer's), or pulled by its
+own GPU (transport.cross_gpu_read: pull), the pool mapped into that GPU's context through the CUDA runtime.
+The slot table (release, reclaim) is a ShmPool without host data. Exported memory must not come from
+expandable segments: PyTorch cannot share those.
 """
 
 import contextlib
+import ctypes
 import os
 
 import torch
@@ -15,6 +18,84 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from omni.stage.v1 import tensor_pb2
 from services.runtime.transport import ShmPool
+
+
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: directions from the (unified) addresses
+_CUDART = None
+
+
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]  # cudaIpcMemHandle_t, passed by value
+
+
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime PyTorch loaded (found in this process's mappings), for the two calls PyTorch does not
+    expose: mapping an IPC handle into a chosen GPU's context, and a copy on a chosen stream between raw
+    addresses."""
+    global _CUDART
+    if _CUDART is None:
+        torch.cuda.init()
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+        lib = ctypes.CDLL(paths[0] if paths else "libcudart.so")
+        lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcMemHandle, ctypes.c_uint]
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        _CUDART = lib
+    return _CUDART
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what}: {_cudart().cudaGetErrorString(status).decode()} (CUDA error {status})")
+
+
+def ipc_handle_bytes(handle: bytes) -> bytes:
+    """The cudaIpcMemHandle_t inside PyTorch's shared-storage handle: a version byte, a kind byte ('c': from
+    cudaMalloc; the other kind, expandable segments, is refused before export), then its 64 bytes (the layout
+    of versions 2 and 3, PyTorch 2.11 to 2.13); a bare 64-byte handle is one already."""
+    if len(handle) == 66 and handle[1] == ord("c"):
+        return handle[2:]
+    if len(handle) == 64:
+        return handle
+    raise ValueError(f"not a cudaMalloc IPC handle: {len(handle)} bytes, kind {handle[1:2]!r}")
+
+
+class PeerPool:
+    """A producer's pool mapped into the context of another GPU of this process (`device`), which reads it
+    over the link with its own copy engines: this process opens no context on the producer's GPU for it, so
+    the producer's GPU does not switch between the two processes' work to serve a read."""
+
+    def __init__(self, handle: tensor_pb2.CudaPoolHandle, device: torch.device):
+        self.device = device
+        ptr = ctypes.c_void_p()
+        raw = _IpcMemHandle.from_buffer_copy(ipc_handle_bytes(handle.handle))
+        with torch.cuda.device(device):
+            _check(_cudart().cudaIpcOpenMemHandle(ctypes.byref(ptr), raw, _IPC_LAZY_ENABLE_PEER_ACCESS),
+                   f"mapping a pool of GPU {handle.device} into GPU {device.index}")
+        self.base = ptr.value + handle.storage_offset
+        self.nbytes = handle.pool_bytes
+
+
+def read_pulled(pool: PeerPool, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, lanes: int = 1) -> torch.Tensor:
+    """A copy, on the pool's mapped GPU, of the tensor at `offset`: pulled by that GPU in `lanes` parts (each on
+    its own stream) for a large one; complete when this returns."""
+    if offset < 0 or offset + nbytes > pool.nbytes:
+        raise ValueError(f"bytes {offset}..{offset + nbytes} are outside the pool ({pool.nbytes} bytes)")
+    target = pool.device
+    with torch.cuda.stream(_stream(target)):
+        out = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    parts = lane_bounds(nbytes, lanes)
+    with torch.cuda.device(target):
+        for lane, (a, b) in enumerate(parts):
+            _check(_cudart().cudaMemcpyAsync(out.data_ptr() + a, pool.base + offset + a, b - a, _MEMCPY_DEFAULT,
+                                             _stream(target, lane).cuda_stream), "pulling from another GPU")
+    for lane in range(len(parts)):
+        _stream(target, lane).synchronize()
+    out.record_stream(torch.cuda.current_stream(target))  # made on the transport's stream, used on the consumer's
+    return out.view(dtype).reshape(shape)
 
 
 def _check_allocator() -> None:

@@ -202,6 +202,7 @@ class Transport:
         self._cuda_pools: dict = {}  # device -> CudaPool
         self._views: dict[str, _PoolView] = {}
         self._mapped: dict[str, torch.Tensor] = {}  # GPU pools of other processes, mapped once
+        self._peers: dict[tuple[str, int], object] = {}  # the same mapped into another GPU's context (pull reads)
         self._lock = threading.Lock()
 
     @property
@@ -295,9 +296,13 @@ class Transport:
         if where == "shm":
             out = torch.frombuffer(self._view(s.pool).mm, dtype=dtype, count=count, offset=s.offset).reshape(shape).to(device, copy=True)
         else:
-            from services.runtime.cuda_ipc import read
+            from services.runtime.cuda_ipc import read, read_pulled
 
-            out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device, self.cfg.read_lanes)
+            target = torch.device(device)
+            if self.cfg.cross_gpu_read == "pull" and target.type == "cuda" and target.index != s.handle.device:
+                out = read_pulled(self._peer_pool(s, target), s.offset, s.nbytes, dtype, shape, self.cfg.read_lanes)
+            else:
+                out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device, self.cfg.read_lanes)
         if not live():  # reclaimed while we copied: what we read may be another tensor's
             raise ValueError(f"slot {s.pool}/{s.slot} was reclaimed while it was read")
         entry["released"] = s.generation
@@ -321,6 +326,14 @@ class Transport:
             if s.pool not in self._mapped:
                 self._mapped[s.pool] = open_pool(s.handle)
             return self._mapped[s.pool]
+
+    def _peer_pool(self, s: tensor_pb2.CudaIpcSlot, target: torch.device):
+        from services.runtime.cuda_ipc import PeerPool
+
+        with self._lock:
+            if (s.pool, target.index) not in self._peers:
+                self._peers[s.pool, target.index] = PeerPool(s.handle, target)
+            return self._peers[s.pool, target.index]
 
     def _view(self, pool: str) -> _PoolView:
         with self._lock:
