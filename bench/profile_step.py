@@ -4,12 +4,19 @@ length, or the talker's frame steps (talker, code predictor, code2wav) fed synth
 
     python -m bench.profile_step --config configs/bench-1xh200.yaml --set thinker.engine=native --batch 64
     python -m bench.profile_step --config configs/bench-1xh200.yaml --stage talker --set talker.engine=native --batch 32
+    python -m bench.profile_step --config configs/bench-1xh200.yaml --stage thinker-prefill --set thinker.engine=native \
+        --batch 1 --prompt-len 40
+
+thinker-prefill: each profiled step is `batch` fresh requests of `prompt-len` tokens taken to their first
+token (the prefill a request's time to first token waits for), its wall time printed per round.
 """
 
 import argparse
 import cProfile
 import io
 import pstats
+import statistics
+import time
 
 import torch
 
@@ -44,6 +51,35 @@ def talker(cfg, args):
     return engine, seqs
 
 
+class Prefills:
+    """thinker-prefill's step: fresh requests each time, stepped to their first token, then freed."""
+
+    def __init__(self, cfg, args):
+        from services.thinker.server import make_engine
+
+        self.engine = make_engine(cfg, cfg.thinker.replicas[0].device)
+        self.args, self.gen, self.n, self.walls = args, torch.Generator().manual_seed(0), 0, []
+
+    def step(self, _=None) -> None:
+        from services.thinker.reference import ThinkerSeq
+
+        a, engine = self.args, self.engine
+        seqs = [ThinkerSeq(f"r{self.n}-{i}", torch.randint(0, engine.vocab, (a.prompt_len,), generator=self.gen),
+                           SamplingParams(max_tokens=4, seed=i + 1, **THINKER_SAMPLING)) for i in range(a.batch)]
+        self.n += 1
+        t0 = time.perf_counter()
+        for s in seqs:
+            engine.add(s)
+        while any(not s.generated for s in seqs):
+            engine.step([s for s in seqs if engine.ready(s)])
+        self.walls.append(time.perf_counter() - t0)
+        for s in seqs:
+            engine.free(s)
+
+    def ready(self, _):
+        return None
+
+
 def ready(engine, seqs) -> list:
     return [s for s in seqs if engine.ready(s)]
 
@@ -56,10 +92,14 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rows", type=int, default=30)
-    p.add_argument("--stage", choices=["thinker", "talker"], default="thinker")
+    p.add_argument("--stage", choices=["thinker", "talker", "thinker-prefill"], default="thinker")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
-    engine, seqs = (talker if args.stage == "talker" else thinker)(cfg, args)
+    if args.stage == "thinker-prefill":
+        engine = Prefills(cfg, args)
+        seqs = []
+    else:
+        engine, seqs = (talker if args.stage == "talker" else thinker)(cfg, args)
     for _ in range(args.steps):  # warm
         engine.step(ready(engine, seqs))
     torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -68,6 +108,10 @@ def main(argv=None):
     for _ in range(args.steps):
         engine.step(ready(engine, seqs))
     prof.disable()
+    if args.stage == "thinker-prefill":
+        walls = engine.walls[args.steps:]
+        print(f"prefill of {args.batch} x {args.prompt_len} tokens to the first token: p50 "
+              f"{statistics.median(walls) * 1e3:.1f} ms over {len(walls)} rounds (under cProfile)")
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.rows)
     print(out.getvalue())
@@ -80,6 +124,7 @@ def main(argv=None):
     print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if torch.cuda.is_available():
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    return engine
 
 
 if __name__ == "__main__":

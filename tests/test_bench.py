@@ -199,15 +199,20 @@ def test_talker_modes_share_one_engine(bench_dir):
                      "--batches", "1", "--frames", "2", "--talker-modes", "overlap"])
 
 
-@pytest.mark.parametrize("stage", ["thinker", "talker"])
+@pytest.mark.parametrize("stage", ["thinker", "talker", "thinker-prefill"])
 def test_step_profiles(bench_dir, stage, capsys):
-    """bench.profile_step prints the host's profile and torch.profiler's table for a stage's steps (native engines)."""
+    """bench.profile_step prints the host's profile and torch.profiler's table for a stage's steps (native engines);
+    thinker-prefill's steps are fresh requests taken to their first token, freed after (the KV cache ends empty)."""
     from bench import profile_step
 
-    profile_step.main(["--config", str(bench_dir / "mesh.yaml"), "--stage", stage, "--batch", "2", "--prompt-len", "8",
-                       "--steps", "2", "--rows", "5", "--set", f"{stage}.engine=native"])
+    engine = profile_step.main(["--config", str(bench_dir / "mesh.yaml"), "--stage", stage, "--batch", "2",
+                                "--prompt-len", "8", "--steps", "2", "--rows", "5", "--set", f"{stage.split('-')[0]}.engine=native"])
     out = capsys.readouterr().out
     assert "function calls" in out and "Self CPU" in out, out[-2000:]
+    if stage == "thinker-prefill":
+        assert "prefill of 2 x 8 tokens to the first token" in out
+        assert engine.n == 6 and len(engine.walls) == 6  # warm, under cProfile, under torch.profiler: 2 rounds each
+        assert engine.engine.scheduler.allocator.used == 0
 
 
 def test_client_ceiling():
