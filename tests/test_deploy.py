@@ -1,6 +1,7 @@
 """The 2xH200 deployment files agree with configs/2xh200.yaml and services/runtime/metrics.py (no Docker needed)."""
 
 import copy
+import dataclasses
 import json
 import re
 import shlex
@@ -210,6 +211,17 @@ def test_config_is_the_2xh200_layout(cfg):
     for r in cfg.encoder.replicas:  # an encoder is preferred for the output path that leaves its GPU idle
         busy_with_talker = any(t.device == r.device for t in cfg.talker.replicas)
         assert r.prefer_for == (["text"] if busy_with_talker else ["audio"]), r.host
+
+
+def test_the_deployment_serves_the_engines_the_benchmark_measures(cfg):
+    """configs/2xh200.yaml (docker compose) and configs/bench-2xh200.yaml (the sweep) run the thinker and the
+    talker with the same settings, replicas and transport aside: the committed figures are what users get."""
+    bench = load_config(ROOT / "configs" / "bench-2xh200.yaml")
+    for stage in ("thinker", "talker", "encoder", "preprocess"):
+        ours, theirs = dataclasses.asdict(getattr(cfg, stage)), dataclasses.asdict(getattr(bench, stage))
+        ours.pop("replicas"), theirs.pop("replicas")
+        assert ours == theirs, stage
+    assert cfg.thinker.engine == cfg.talker.engine == "native"
 
 
 def test_services(cfg, compose):
