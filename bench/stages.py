@@ -286,7 +286,7 @@ def talker_cells(cfg: MeshConfig, device: str, args):
 def media_items(cfg: MeshConfig, args) -> dict:
     from services.preprocess.media import Preprocessor
 
-    pre = Preprocessor(cfg.model.dir, Limits(), pixels=cfg.preprocess.pixels)  # as the mesh's preprocess hands them on
+    pre = Preprocessor(cfg.model.dir, Limits(), pixels=cfg.preprocess.pixels, audio=cfg.preprocess.audio)  # as the mesh's preprocess hands them on
     data = {"image": image_png(args.seed, args.image_size), "audio": clip_wav(args.seed, args.clip_seconds)}
     decode = {"image": pre.image, "audio": pre.audio_file}
     return {kind: (decode[kind], data[kind]) for kind in data}

@@ -41,3 +41,68 @@ def test_pixels_normalised_where_the_encoder_runs_equal_the_processors(tiny_mode
     assert torch.equal(norm(floats, torch.float32), floats)  # already normalised: passed through
     on_cpu = Preprocessor(tiny_model, Limits(), pixels="float32").image(data)  # the A/B's other side
     assert on_cpu.values.dtype == np.float32 and np.array_equal(on_cpu.values, norm(torch.from_numpy(f.values), torch.float32).numpy())
+
+
+def test_log_mel_from_the_waveform_equals_the_feature_extractors(tiny_model):
+    """preprocess.audio: pcm hands on the 16 kHz waveform; the encoder's LogMel gives the features (and the
+    preprocessor the frame and token counts) transformers' Whisper feature extractor gives, at every length
+    around a hop's edges and the shortest accepted."""
+    from transformers import WhisperFeatureExtractor
+
+    from services.preprocess.media import LogMel
+
+    fe, mel = WhisperFeatureExtractor.from_pretrained(tiny_model), LogMel(tiny_model)
+    rng = np.random.default_rng(0)
+    for n in (201, 1000, 16000 * 7, 16000 * 7 + 1, 16000 * 7 + 159, 16000 * 30 + 77):
+        pcm = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        pcm[: n // 3] = 0  # silence: its log power far below the peak, floored 8 below it
+        out = fe([pcm], sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="np")
+        frames = int(out["attention_mask"][0].sum())
+        expected = torch.from_numpy(out["input_features"][0][:, :frames])
+        got = mel(torch.from_numpy(pcm))
+        assert got.shape == expected.shape == (fe.feature_size, n // fe.hop_length), n
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    clip = wav(2, 2.5)
+    as_mel, as_pcm = Preprocessor(tiny_model, Limits()).audio_file(clip), Preprocessor(tiny_model, Limits(), audio="pcm").audio_file(clip)
+    assert as_pcm.values.ndim == 1 and as_pcm.values.dtype == np.float32
+    assert (as_pcm.num_tokens, as_pcm.feature_length) == (as_mel.num_tokens, as_mel.feature_length)
+    torch.testing.assert_close(mel(torch.from_numpy(as_pcm.values)), torch.from_numpy(as_mel.values), rtol=0, atol=1e-5)
+
+
+def test_the_encoder_makes_features_from_waveforms(tiny_model):
+    """Audio items sent as waveforms encode to what their features encode to, alone and batched with images;
+    a waveform too short for one window, or of integers, is refused by name."""
+    import pytest
+
+    from services.runtime.errors import InvalidArgument
+
+    mel_pre, pcm_pre = Preprocessor(tiny_model, Limits()), Preprocessor(tiny_model, Limits(), audio="pcm")
+    clips = [wav(2, 1.0), wav(5, 2.5)]
+    image = mel_pre.image(png(1, 64, 48))
+    for batch in (False, True):
+        enc = ReferenceEncoder(tiny_model, batch=batch)
+        runs = []
+        for pre in (mel_pre, pcm_pre):
+            feats = [pre.audio_file(c) for c in clips] + [image]
+            items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
+            job = EncodeJob(items)
+            enc.add(job)
+            runs.append([e.embeds for e in enc.step([job])[0][1]])
+        for a, b in zip(*runs):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    for values, message in ((torch.zeros(200), "more than 200"), (torch.zeros(4000, dtype=torch.int16), "float samples")):
+        with pytest.raises(InvalidArgument, match=message):
+            enc.add(EncodeJob([Item("audio", values)]))
+
+
+def test_audio_too_short_for_one_window_is_refused_by_name(tiny_model):
+    """Between one hop (160 samples) and half a window (200) the extractor itself failed with a RuntimeError."""
+    import pytest
+
+    from services.runtime.errors import InvalidArgument
+
+    for audio in ("mel", "pcm"):
+        pre = Preprocessor(tiny_model, Limits(), audio=audio)
+        with pytest.raises(InvalidArgument, match="too short"):
+            pre.audio_pcm(np.zeros(180, dtype="<i2").tobytes(), 16000, "s16le", 1)
+        assert pre.audio_pcm(np.zeros(201, dtype="<i2").tobytes(), 16000, "s16le", 1).feature_length == 1

@@ -7,7 +7,7 @@ import torch
 
 from services.model.load import load_component
 from services.model.spec import audio_tokens
-from services.preprocess.media import PixelNorm
+from services.preprocess.media import LogMel, PixelNorm
 from services.runtime.errors import InvalidArgument
 
 
@@ -15,6 +15,7 @@ from services.runtime.errors import InvalidArgument
 class Item:
     kind: str  # "image" | "video" | "audio"
     values: torch.Tensor  # image/video: [patches, C*T*P*P], uint8 pixels or normalised floats; audio: [mel_bins, frames]
+    # features, or the 16 kHz waveform [samples] whose features the encoder makes on its device
     grid_thw: tuple[int, int, int] | None = None
 
 
@@ -45,12 +46,18 @@ class ReferenceEncoder:
         self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         self.mel_bins = self.audio.config.num_mel_bins
         self.pixels = PixelNorm(model_dir)  # uint8 patches normalised here, on the towers' device
+        self.log_mel = LogMel(model_dir)  # and waveforms made features here
 
     def add(self, job: EncodeJob) -> None:
         for i, item in enumerate(job.items):
             if item.kind == "audio":
-                if item.values.dim() != 2 or item.values.shape[0] != self.mel_bins:
-                    raise InvalidArgument(f"item {i}: audio features must be [{self.mel_bins}, frames], got {tuple(item.values.shape)}")
+                if item.values.dim() == 1:  # a waveform
+                    if len(item.values) <= self.log_mel.n_fft // 2 or not item.values.is_floating_point():
+                        raise InvalidArgument(f"item {i}: an audio waveform must be float samples, more than "
+                                              f"{self.log_mel.n_fft // 2}; got {len(item.values)} {item.values.dtype}")
+                elif item.values.dim() != 2 or item.values.shape[0] != self.mel_bins:
+                    raise InvalidArgument(f"item {i}: audio features must be [{self.mel_bins}, frames] (or a waveform "
+                                          f"[samples]), got {tuple(item.values.shape)}")
             elif item.kind in ("image", "video"):
                 t, h, w = item.grid_thw or (0, 0, 0)
                 if tuple(item.values.shape) != (t * h * w, self.patch_width) or t * h * w == 0:
@@ -96,9 +103,9 @@ class ReferenceEncoder:
                 encoded[id(item)] = Encoded(e, [t[n] for t in taps])
         audio = [i for i in items if i.kind == "audio"]
         if audio:
-            out = self.audio(torch.cat([i.values.to(self.device, self.dtype) for i in audio], dim=1),
-                             feature_lens=torch.tensor([i.values.shape[1] for i in audio], device=self.device))
-            sizes = [audio_tokens(i.values.shape[1], self.audio.config.n_window) for i in audio]
+            mels = [self._mel(i) for i in audio]
+            out = self.audio(torch.cat(mels, dim=1), feature_lens=torch.tensor([m.shape[1] for m in mels], device=self.device))
+            sizes = [audio_tokens(m.shape[1], self.audio.config.n_window) for m in mels]
             for item, e in zip(audio, out.last_hidden_state.split(sizes)):
                 encoded[id(item)] = Encoded(e)
         elapsed = time.perf_counter() - t0
@@ -108,9 +115,14 @@ class ReferenceEncoder:
 
     def _encode(self, item: Item) -> Encoded:
         if item.kind == "audio":
-            x = item.values.to(self.device, self.dtype)
+            x = self._mel(item)
             lens = torch.tensor([x.shape[1]], device=self.device)
             return Encoded(self.audio(x, feature_lens=lens).last_hidden_state)
         x = self.pixels(item.values.to(self.device), self.dtype)
         out = self.vision(x, grid_thw=torch.tensor([item.grid_thw], device=self.device))
         return Encoded(out.pooler_output, list(out.deepstack_features))
+
+    def _mel(self, item: Item) -> torch.Tensor:
+        """An audio item's features [mel_bins, frames] in the towers' dtype: as sent, or made here from its waveform."""
+        values = item.values.to(self.device)
+        return (self.log_mel(values) if values.dim() == 1 else values).to(self.dtype)

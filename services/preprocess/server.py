@@ -52,10 +52,10 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Fe
 _WORKER: Preprocessor | None = None
 
 
-def _init_worker(model_dir, limits, n_window, pixels) -> None:
+def _init_worker(model_dir, limits, n_window, pixels, audio) -> None:
     global _WORKER
     single_threaded()
-    _WORKER = Preprocessor(model_dir, limits, n_window, pixels)
+    _WORKER = Preprocessor(model_dir, limits, n_window, pixels, audio)
 
 
 def single_threaded() -> None:
@@ -83,7 +83,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
             return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="preprocess")
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window,
-                                                                       self.pre.pixels))
+                                                                       self.pre.pixels, self.pre.audio_values))
 
     async def start(self) -> None:
         """Starts every worker process before the stage says it is serving (their imports take seconds)."""
@@ -129,7 +129,8 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.preprocess.replicas[replica]
     if cfg.preprocess.pool == "thread":  # the decoders are this process's threads
         single_threaded()
-    pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window, cfg.preprocess.pixels)
+    pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window, cfg.preprocess.pixels,
+                       cfg.preprocess.audio)
     transport = Transport(cfg.transport, f"preprocess{replica}", r.shm_domain)
     servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers, cfg.preprocess.pool)
     await servicer.start()

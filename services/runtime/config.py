@@ -119,6 +119,9 @@ class PreprocessConfig:
     # (uint8: a quarter of the bytes through the decoder pool, the transport and the copy to the GPU), or
     # normalised here on the CPU (float32).
     pixels: Literal["uint8", "float32"] = "uint8"
+    # Audio handed on as its log-mel features, made here on the CPU (mel), or as the 16 kHz waveform, its
+    # log-mel made by the encoder on its device (pcm: no spectrogram in the decoder pool).
+    audio: Literal["mel", "pcm"] = "mel"
 
 
 @dataclass
