@@ -66,9 +66,16 @@ def test_dense_attention_shares_kv_heads_and_masks_like_plain_softmax():
     att = DenseAttention(torch.zeros(1, b, t, kv_heads, d), torch.zeros(1, b, t, kv_heads, d), d ** -0.5)
     keys, values = torch.zeros(b, 0, kv_heads, d), torch.zeros(b, 0, kv_heads, d)
     cached = 0
-    for n in (2, 1, 1, 3):
+    for step, n in enumerate((2, 1, 1, 3)):
         q, k, v = (torch.randn(b * n, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
-        out = att.at(b, cached, n).forward(0, q, k, v)
+        att.at(b, cached, n)
+        if step % 2:  # as the projection's kernel writes them: into the rows kv_slots names
+            from services.llm.attention import write_kv
+
+            write_kv(att.kv_slots(0), k, v)
+            out = att.forward(0, q, k, v, written=True)
+        else:
+            out = att.forward(0, q, k, v)
         keys, values = torch.cat([keys, k.view(b, n, kv_heads, d)], 1), torch.cat([values, v.view(b, n, kv_heads, d)], 1)
         kk, vv = keys.repeat_interleave(heads // kv_heads, 2), values.repeat_interleave(heads // kv_heads, 2)
         scores = torch.einsum("bnhd,bthd->bhnt", q.view(b, n, heads, d), kk) * d ** -0.5

@@ -87,21 +87,32 @@ class DenseAttention:
     def __init__(self, k: torch.Tensor, v: torch.Tensor, scale: float):
         self.k, self.v, self.scale = k, v, scale
         self.b = self.cached = self.n = 0
+        self.slots: dict[tuple[int, int, int], torch.Tensor] = {}  # (b, cached, n) -> the step's rows of the cache
 
     def at(self, b: int, cached: int, n: int) -> "DenseAttention":
         """The next forward: `n` new rows for each of the first `b` sequences, after `cached` positions."""
         self.b, self.cached, self.n = b, cached, n
         return self
 
-    def kv_slots(self, layer: int) -> None:
-        return None  # a dense cache: forward() writes it
+    def kv_slots(self, layer: int):
+        """The step's keys and values as rows of the layer's cache flattened to [B * T, Hkv, D], for the projection's
+        kernel to write (two copies a layer fewer). The rows of each step shape are made once (before a graph
+        records it: its warm-up runs first) and reused."""
+        kc, vc = self.k[layer], self.v[layer]
+        key = (self.b, self.cached, self.n)
+        if key not in self.slots:
+            rows = torch.arange(self.b, device=kc.device)[:, None] * kc.shape[1] + self.cached
+            self.slots[key] = (rows + torch.arange(self.n, device=kc.device)).reshape(-1)
+        return kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), self.slots[key]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
-        """q [b*n, H, D], k and v [b*n, Hkv, D], rows sequence-major -> [b*n, H, D]."""
+        """q [b*n, H, D], k and v [b*n, Hkv, D], rows sequence-major -> [b*n, H, D]; `written`: k and v are in
+        the cache already (kv_slots)."""
         b, c, n = self.b, self.cached, self.n
         kc, vc = self.k[layer], self.v[layer]
-        kc[:b, c:c + n] = k.view(b, n, *k.shape[1:])
-        vc[:b, c:c + n] = v.view(b, n, *v.shape[1:])
+        if not written:
+            kc[:b, c:c + n] = k.view(b, n, *k.shape[1:])
+            vc[:b, c:c + n] = v.view(b, n, *v.shape[1:])
         keys, values = kc[:b, :c + n].transpose(1, 2), vc[:b, :c + n].transpose(1, 2)  # [b, Hkv, T, D]
         qs = q.view(b, n, *q.shape[1:]).transpose(1, 2)  # [b, H, n, D]
         mask = None if n == 1 or c == 0 else torch.ones(n, c + n, dtype=torch.bool, device=q.device).tril(c)

@@ -82,10 +82,14 @@ class Attention(nn.Module):
 
 
 def fuse_projections_(model: nn.Module) -> int:
-    """Every attention of `model` with its q/k/v projections fused (Attention.fuse_projections_)."""
+    """Every attention of `model` with its q/k/v projections fused (Attention.fuse_projections_), and every dense
+    MLP with its gate and up projections (MLP.fuse_projections_). Returns the attentions fused."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for m in layers:
         m.fuse_projections_()
+    for m in model.modules():
+        if isinstance(m, MLP):
+            m.fuse_projections_()
     return len(layers)
 
 
@@ -121,8 +125,20 @@ def route(x, gate_w, top_k: int, norm_topk: bool):
     return ids, weights.to(logits.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """A dense MLP's activation from its fused gate and up projections [N, 2I] -> [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def shared_combine(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """A MoE block with a shared expert: the routed experts' output plus the shared expert's, scaled by its gate."""
+    return routed + torch.sigmoid(gate) * shared
+
+
 # The layers' pure tensor functions; `fuse()` swaps in compiled versions (elementwise chains fused by inductor).
-OPS = {"pre_attention": pre_attention, "post_attention": post_attention, "route": route}
+OPS = {"pre_attention": pre_attention, "post_attention": post_attention, "route": route, "silu_mul": silu_mul,
+       "shared_combine": shared_combine}
 
 
 def fuse(enabled: bool = True) -> None:
@@ -137,7 +153,8 @@ def fuse(enabled: bool = True) -> None:
     # One variant per model (thinker, talker, predictor: their sizes are constants) and per special row count
     # (1): past dynamo's default of 8 variants a function runs eagerly, as the talker's steps of 64 rows did.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for name, fn in (("pre_attention", pre_attention), ("post_attention", post_attention), ("route", route)):
+    for name, fn in (("pre_attention", pre_attention), ("post_attention", post_attention), ("route", route),
+                     ("silu_mul", silu_mul), ("shared_combine", shared_combine)):
         OPS[name] = torch.compile(fn, dynamic=True) if enabled else fn
     moe.OPS["grouped"] = torch.compile(moe.grouped, dynamic=True) if enabled else moe.grouped
     fp8.OPS["grouped"] = torch.compile(fp8.grouped, dynamic=True) if enabled else fp8.grouped
@@ -169,10 +186,27 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # gate and up in one, once loaded
+
+    def fuse_projections_(self) -> None:
+        """gate and up weights in one tensor, for one GEMM instead of two; the two parameters stay, as views of
+        it, so the weights keep their checkpoint names."""
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+        self.gate_up_weight = w
+        i = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight = nn.Parameter(w[:i], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(w[i:], requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out if residual is None else residual + out
+        """Fused: three kernels (gate-and-up GEMM, the activation, the down GEMM with the residual added in its
+        epilogue) where the plain form takes six; the code predictor runs 75 of these a frame."""
+        if self.gate_up_weight is None or x.dim() != 2:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return out if residual is None else residual + out
+        act = OPS["silu_mul"](F.linear(x, self.gate_up_weight))
+        if residual is None:
+            return F.linear(act, self.down_proj.weight)
+        return torch.addmm(residual, act, self.down_proj.weight.t())
 
 
 class SparseMoE(nn.Module):
@@ -196,8 +230,8 @@ class SparseMoE(nn.Module):
             ids, weights = OPS["route"](x, self.gate.weight, self.top_k, self.norm_topk)
         if not hasattr(self, "shared_expert"):
             return self.experts(x, ids, weights, residual)  # a module: quantisation swaps it (services/llm/fp8.py)
-        out = self.experts(x, ids, weights) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out if residual is None else residual + out
+        routed = self.experts(x, ids, weights, residual)  # the residual added by the experts' own kernels
+        return OPS["shared_combine"](routed, self.shared_expert_gate(x), self.shared_expert(x))
 
 
 class DecoderLayer(nn.Module):
