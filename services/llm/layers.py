@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return OPS["rms_norm"](x, self.weight, self.eps)  # compiled (fuse()): one kernel, not seven
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,7 +138,7 @@ def shared_combine(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tenso
 
 # The layers' pure tensor functions; `fuse()` swaps in compiled versions (elementwise chains fused by inductor).
 OPS = {"pre_attention": pre_attention, "post_attention": post_attention, "route": route, "silu_mul": silu_mul,
-       "shared_combine": shared_combine}
+       "shared_combine": shared_combine, "rms_norm": rms_norm}
 
 
 def fuse(enabled: bool = True) -> None:
@@ -154,7 +154,7 @@ def fuse(enabled: bool = True) -> None:
     # (1): past dynamo's default of 8 variants a function runs eagerly, as the talker's steps of 64 rows did.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for name, fn in (("pre_attention", pre_attention), ("post_attention", post_attention), ("route", route),
-                     ("silu_mul", silu_mul), ("shared_combine", shared_combine)):
+                     ("silu_mul", silu_mul), ("shared_combine", shared_combine), ("rms_norm", rms_norm)):
         OPS[name] = torch.compile(fn, dynamic=True) if enabled else fn
     moe.OPS["grouped"] = torch.compile(moe.grouped, dynamic=True) if enabled else moe.grouped
     fp8.OPS["grouped"] = torch.compile(fp8.grouped, dynamic=True) if enabled else fp8.grouped

@@ -323,13 +323,14 @@ class NativeTalker(SpeechEngine):
         rope = cos[:2].repeat(b, 1), sin[:2].repeat(b, 1)  # positions 0 and 1 for each request
         codes, embeds, cached = [code0], [first], 0
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
+        counters = base[:, None] + torch.arange(self.groups - 1, device=base.device)  # each group's, in one launch
         for i in range(self.groups - 1):
             n = 2 if i == 0 else 1
             with step_context(self.cp_attention.at(b, cached, n), self.moe):
                 h = cp.model(x, rope=rope)
             cached += n
             # Seeded draws hashed from (seed, frame, group): no generator, no launch per request.
-            code = draw(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, base + i, self.cp_top_k)
+            code = draw(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, counters[:, i], self.cp_top_k)
             codes.append(code)
             x = cp.model.codec_embedding[i](code)
             embeds.append(x)
