@@ -97,11 +97,12 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
         """The native engine switched to `mode`; the cell's mode name."""
         if mode == "config":
             return "decode"
-        if mode not in ("plain", "overlap"):
+        base, eager_draw = mode.removesuffix("-eager-draw"), mode.endswith("-eager-draw")
+        if base not in ("plain", "overlap"):
             raise SystemExit(f"unknown thinker mode {mode!r}")
         if not hasattr(engine, "overlap"):
             raise SystemExit(f"--thinker-modes {mode}: the {cfg.thinker.engine} thinker has no such switch")
-        engine.overlap = mode == "overlap"
+        engine.overlap, engine.graph_sampling = base == "overlap", not eager_draw
         return f"decode {mode}"
 
     for length in args.prompt_lens:
@@ -380,7 +381,8 @@ def parse_args(argv=None):
     p.add_argument("--frames", type=int, default=16, help="talker frames per sequence")
     p.add_argument("--talker-prompt-bytes", type=int, default=32)
     p.add_argument("--thinker-modes", default="config",
-                   help="native thinker, each batch's decode under each mode on one engine: config, plain, overlap")
+                   help="native thinker, each batch's decode under each mode on one engine: config, plain, overlap; "
+                        "an -eager-draw suffix draws tokens after the graph (thinker.graph_sampling off)")
     p.add_argument("--talker-modes", default="config",
                    help="native talker, each batch under each mode on one engine (one build, one capture): config, "
                         "plain, overlap; a -c2w-inline suffix waits for code2wav in the frame loop (no side stream)")

@@ -334,9 +334,10 @@ def test_thinker_modes_share_one_engine(bench_dir):
     cell, it is the same in both); a mode the engine lacks is refused by name."""
     out = bench_dir / "thinker-modes.json"
     stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "thinker", "--batches", "2",
-                 "--prompt-lens", "8", "--decode-steps", "3", "--thinker-modes", "plain,overlap", "--set", "thinker.engine=native"])
+                 "--prompt-lens", "8", "--decode-steps", "3", "--thinker-modes", "plain,overlap,overlap-eager-draw",
+                 "--set", "thinker.engine=native"])
     cells = results.read(out)["cells"]
-    assert [c["mode"] for c in cells] == ["prefill", "decode plain", "decode overlap"]
+    assert [c["mode"] for c in cells] == ["prefill", "decode plain", "decode overlap", "decode overlap-eager-draw"]
     assert all(c["tok_per_s"] > 0 for c in cells)
     with pytest.raises(SystemExit, match="no such switch"):
         stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(bench_dir / "none.json"), "--stages", "thinker",

@@ -158,6 +158,41 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     assert engine.overlapped - overlapped_before >= 40 and engine.pending is None
     assert overlapped == plain
 
+def test_tokens_drawn_inside_the_decode_graph_equal_the_samplers(pair):
+    """thinker.graph_sampling: a captured step's own draw (greedy and seeded top-k/top-p rows) gives the tokens
+    the sampler gives after the graph, plain and overlapped; a row the graph cannot draw for (a repetition
+    penalty) sends its steps' batches to the sampler (compared with a run of the same five requests)."""
+    from dataclasses import replace
+
+    engine, hf = pair
+    vocab = hf.lm_head.weight.shape[0]
+
+    def run(graph_sampling: bool, overlap: bool, penalty: bool = False) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(7)
+        seqs = [seq(f"g{i}", torch.randint(0, vocab, (n,), generator=gen), 40) for i, n in enumerate((30, 70, 110, 50))]
+        for i, s in enumerate(seqs[1:]):
+            s.params = replace(s.params, temperature=0.7, top_p=0.8, top_k=20, seed=i + 1)
+        if penalty:
+            seqs.append(seq("pen", torch.randint(0, vocab, (20,), generator=gen), 40))
+            seqs[-1].params = replace(seqs[-1].params, repetition_penalty=1.2)
+        engine.graph_sampling, engine.overlap = graph_sampling, overlap
+        try:
+            for s in seqs:
+                engine.add(s)
+            while not all(s.done for s in seqs):
+                engine.step(seqs)
+            for s in seqs:
+                engine.free(s)
+        finally:
+            engine.graph_sampling, engine.overlap = True, False
+        return [s.generated for s in seqs]
+
+    eager = run(False, False)
+    assert run(True, False) == eager
+    assert run(True, True) == eager
+    assert run(True, False, penalty=True) == run(False, False, penalty=True)  # the penalised row's tokens too
+
+
 def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
     """One full-size MoE layer fed the activations a real prefill gives it: fp8 (per-channel weights, per-token
     activations, torch._scaled_grouped_mm) against the bf16 grouped GEMM, and against the fp8 reference loop."""

@@ -183,3 +183,27 @@ def test_overlapped_decode_gives_the_tokens_of_the_plain_one(tiny_model, referen
     assert overlapped[:1] + overlapped[2:] == plain[:1] + plain[2:]
     assert len(plain[2]) == 6 and 0 < len(plain[1]) < 14 and any(len(t) == 14 for t in plain)
     assert engine.overlapped > 5 and engine.scheduler.allocator.used == 0 and not engine.states
+
+
+def test_a_captured_steps_own_draw_stands_for_the_sampler_where_it_can():
+    """A decode graph draws with sample_tensors over its best GRAPH_TOP_K logits: for every row graph_drawable
+    admits, the token sample_batch draws (same seeds and counters); rows it refuses are the sampler's alone."""
+    from services.llm.sampling import SamplingParams, sample_batch, sample_tensors
+    from services.thinker.engine import GRAPH_TOP_K, graph_drawable
+
+    drawable = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3),
+                SamplingParams(temperature=1.0, top_k=GRAPH_TOP_K, seed=9), SamplingParams(temperature=0.5, top_k=1, seed=2),
+                SamplingParams(temperature=0.7, top_k=20, min_tokens=4, stop_token_ids=(7,), seed=5)]  # past its minimum
+    counters = [0, 12, 3, 40, 4]
+    assert all(graph_drawable(p, c) for p, c in zip(drawable, counters))
+    refused = [(SamplingParams(temperature=0.7, top_k=0, seed=1), 0), (SamplingParams(temperature=0.7, top_k=GRAPH_TOP_K + 1), 0),
+               (SamplingParams(repetition_penalty=1.1), 0), (SamplingParams(min_tokens=4, stop_token_ids=(7,)), 3)]
+    assert not any(graph_drawable(p, c) for p, c in refused)
+    logits = torch.randn(5, 500, generator=torch.Generator().manual_seed(0)) * 3
+    for step in range(30):
+        c = [x + step for x in counters]
+        expected = sample_batch(logits, drawable, counters=c)
+        got = sample_tensors(logits, torch.tensor([p.temperature for p in drawable]), torch.tensor([p.top_k for p in drawable]),
+                             torch.tensor([p.top_p for p in drawable]), torch.tensor([p.seed for p in drawable]),
+                             torch.tensor(c), GRAPH_TOP_K)
+        assert got.tolist() == expected.tolist(), step

@@ -13,7 +13,8 @@ from services.llm.host import upload, upload_into
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
-from services.llm.sampling import sample_batch
+from services.llm import sampling
+from services.llm.sampling import SamplingParams, sample_batch
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.model.spec import OmniSpec
@@ -23,6 +24,15 @@ from services.thinker.reference import ThinkerSeq, ThinkerStep, stop_reason, val
 
 
 PLACEHOLDER = -1  # a sequence's token drawn by a launched step, not read yet (overlap)
+GRAPH_TOP_K = 64  # the widest top-k a decode graph's own draw covers (its candidates: the best 64 logits)
+
+
+def graph_drawable(p: SamplingParams, generated: int) -> bool:
+    """Whether a captured step's own draw gives this row the token sample_batch would: greedy, or a top-k within
+    GRAPH_TOP_K; no repetition penalty and no stop ids banned for a minimum length (sample_batch's host-side
+    cases). The draws are the same function of (seed, counter) either way."""
+    return (p.repetition_penalty == 1.0 and not (generated < p.min_tokens and p.stop_token_ids)
+            and (p.temperature == 0 or 0 < p.top_k <= GRAPH_TOP_K))
 
 
 @dataclass
@@ -57,8 +67,10 @@ class NativeThinker:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
                  max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", fp8_activations: bool = False,
-                 attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False):
+                 attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
+                 graph_sampling: bool = True):
         self.device, self.dtype = torch.device(device), dtype
+        self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where graph_drawable
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
         self.overlapped = 0  # steps launched before the previous one's tokens were read
         if compile:
@@ -105,15 +117,20 @@ class NativeThinker:
 
         sizes = ladder(max_batch)
         self.decode_inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)  # ids, positions
+        self.decode_draw = (torch.zeros(3, max_batch, dtype=torch.long, device=self.device),  # top-k, seed, counter
+                            torch.zeros(2, max_batch, device=self.device))  # temperature, top-p
         # One attention per size (its page table buffers are the graph's), planned all padding for capture.
         self.decode_attention = {b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace).plan([]) for b in sizes}
+        draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
 
         def body(b: int):
             ids, pos = self.decode_inputs[0, :b], self.decode_inputs[1, :b]
             with step_context(self.decode_attention[b], self.moe):
                 embeds = self.model.model.embed_tokens(ids)
                 hidden, captured = self.model(embeds, pos.float().expand(3, -1), capture_layer=self.accept_layer)
-                return embeds, captured, self.model.lm_head(hidden)
+                logits = self.model.lm_head(hidden)
+            (top_k, seeds, counters), (temps, top_p) = self.decode_draw[0][:, :b], self.decode_draw[1][:, :b]
+            return embeds, captured, logits, draw(logits, temps, top_k, top_p, seeds, counters, GRAPH_TOP_K)
 
         self.graphs = CapturedGraphs(sizes, body, self.device)
 
@@ -235,9 +252,12 @@ class NativeThinker:
         # Speech requests get the row's states (input embedding, accept layer) with its token, once per position.
         send = [w.seq.owner.return_states and w.start + 1 > w.seq.states_sent for w in work]
         states = None
+        owners = [w.seq.owner for w in work]
+        counters = [len(s.generated) + (r >= 0) for s, r in zip(owners, src)]  # the pending token counts
+        drawn = None
         if self._graphable(work):
-            embeds, captured, logits = self._replay(work, ids, planned)
-            logits = logits[:n]
+            embeds, captured, logits, drawn = self._replay(work, ids, counters, planned)
+            logits, drawn = logits[:n], self._drawn(work, drawn[:n], counters)
             if any(send):  # the next replay overwrites them
                 states = embeds[:n].clone(), captured[:n].clone()
         else:
@@ -252,9 +272,7 @@ class NativeThinker:
             if any(send):
                 states = embeds, captured
         self.scheduler.advance(work)
-        owners = [w.seq.owner for w in work]
-        counters = [len(s.generated) + (r >= 0) for s, r in zip(owners, src)]  # the pending token counts
-        tokens = sample_batch(logits, [s.params for s in owners], counters=counters)
+        tokens = drawn if drawn is not None else sample_batch(logits, [s.params for s in owners], counters=counters)
         host, event = tokens, None
         if tokens.is_cuda:  # to the host without waiting: read when the next step has been launched
             host = torch.empty(n, dtype=torch.long, pin_memory=True)
@@ -305,9 +323,10 @@ class NativeThinker:
         return (self.graphs is not None and len(work) <= self.graphs.max_batch
                 and all(w.n == 1 and w.start >= len(w.seq.owner.prompt_ids) and w.start + 1 == len(w.seq.tokens) for w in work))
 
-    def _replay(self, work: list[Work], ids, planned=None) -> tuple:
-        """The decode graph for `work` (its input ids: a device tensor, or host values), replayed; `planned`
-        is recorded once the attention plan's copies are queued. Outputs valid until the next replay."""
+    def _replay(self, work: list[Work], ids, counters: list[int], planned=None) -> tuple:
+        """The decode graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters),
+        replayed; `planned` is recorded once the attention plan's copies are queued. Returns (input embeddings,
+        accept-layer states, logits, tokens drawn), valid until the next replay."""
         n = len(work)
         b = self.graphs.size_for(n)
         if isinstance(ids, torch.Tensor):
@@ -316,18 +335,29 @@ class NativeThinker:
             upload_into(self.decode_inputs[0, :n], ids)
         # Padding rows keep whatever they held: they only touch the scratch block, and their outputs are dropped.
         upload_into(self.decode_inputs[1, :n], [w.start + w.seq.owner.rope_delta for w in work])
+        params = [w.seq.owner.params for w in work]
+        upload_into(self.decode_draw[0][:, :n], [[p.top_k for p in params], [p.seed & (2**63 - 1) for p in params], counters])
+        upload_into(self.decode_draw[1][:, :n], [[p.temperature for p in params], [p.top_p for p in params]])
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         if planned is not None:
             planned.record(torch.cuda.current_stream(self.device))
         return self.graphs.replay(b)
 
     def _graph_step(self, work: list[Work]):
-        embeds, captured, logits = self._replay(work, [w.seq.tokens[w.start] for w in work])
+        counters = [len(w.seq.owner.generated) for w in work]
+        embeds, captured, logits, drawn = self._replay(work, [w.seq.tokens[w.start] for w in work], counters)
         self.scheduler.advance(work)
         n = len(work)
         if captured is not None and any(w.seq.owner.return_states for w in work):  # the next replay overwrites them
             embeds, captured = embeds[:n].clone(), captured[:n].clone()
-        return self._outputs(work, embeds, captured, lambda rows: logits[:n])  # every row ends: rows == 0..n-1
+        # Every row ends (rows == 0..n-1): the graph's draws are the step's tokens where every row allows them.
+        return self._outputs(work, embeds, captured, lambda rows: logits[:n], self._drawn(work, drawn[:n], counters))
+
+    def _drawn(self, work: list[Work], drawn: torch.Tensor, counters: list[int]) -> torch.Tensor | None:
+        """The tokens a captured step drew, if they stand for every row's (graph_sampling, graph_drawable)."""
+        if self.graph_sampling and all(graph_drawable(w.seq.owner.params, c) for w, c in zip(work, counters)):
+            return drawn
+        return None
 
     def _inputs(self, work: list[Work]):
         """Input embeddings [N, H] (multimodal rows from their spans), positions [3, N], DeepStack rows and values."""
@@ -360,7 +390,9 @@ class NativeThinker:
             ds_rows = torch.cat(ds_rows).to(self.device)
         return torch.cat(embeds), torch.cat(positions, dim=1).to(self.device), ds_rows if deepstack else None, deepstack
 
-    def _outputs(self, work: list[Work], embeds, captured, logits_of) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+    def _outputs(self, work: list[Work], embeds, captured, logits_of, drawn=None) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+        """Each request's step output; its token drawn from the rows that end (`drawn`: already drawn for them, in
+        row order, by a captured step)."""
         ends, row = [], 0
         for w in work:
             row += w.n
@@ -373,7 +405,8 @@ class NativeThinker:
             seen = [w.seq.tokens if s.params.repetition_penalty != 1.0 else None
                     for (w, _), s in zip(ends, owners)]
             generated = [len(s.generated) for s in owners]
-            chosen = sample_batch(logits, [s.params for s in owners], seen, generated, counters=generated)
+            chosen = drawn if drawn is not None else sample_batch(logits, [s.params for s in owners], seen, generated,
+                                                                  counters=generated)
             t_wait = time.perf_counter()
             tokens = chosen.tolist()  # the step's one wait on the device
             self.last_wait_s = time.perf_counter() - t_wait
