@@ -105,6 +105,19 @@ def print_cell(cell: dict) -> None:
           + (f"  first error: {cell['first_error'][:160]}" if cell["failures"] else ""), flush=True)
 
 
+def stages_needed(w: Workload) -> set[str]:
+    """The stages a workload's requests pass through: a stage that died takes only these cells with it (a talker
+    that died leaves the text workloads to run)."""
+    return ({"gateway", "thinker"} | ({"preprocess", "encoder"} if w.media != "text" else set())
+            | ({"talker"} if w.speech else set()))
+
+
+def dead_stages(procs: dict, w: Workload) -> str:
+    """Why `w`'s cells cannot run: the launched stage processes (`procs`, name -> Popen) it needs that exited."""
+    return "; ".join(f"{name} exited with code {p.returncode}" for name, p in procs.items()
+                     if p.poll() is not None and name.rsplit("-", 1)[0] in stages_needed(w))
+
+
 class MeshRunner:
     """Runs request indices of a workload through the gateway, `concurrency` in flight."""
     note = ""
@@ -157,7 +170,8 @@ class Sweep:
     def skip(self, w: Workload, concurrency: int, reason: str) -> None:
         self.add({**base_cell(w, concurrency), "status": "skipped", "reason": reason, "requests": 0, "failures": 0})
 
-    async def run(self, runner, stage_died=lambda: "") -> None:
+    async def run(self, runner, stage_died=lambda w: "") -> None:
+        """Every cell of the plan; `stage_died(w)` names the dead stages workload `w` needs (its cells skipped)."""
         plan = self.plan()
         if not plan:
             print("every cell asked for is in the file already", flush=True)
@@ -173,7 +187,7 @@ class Sweep:
             if runner.failure_blocks_larger and b > failed_at.get(w.name, b):
                 self.skip(w, b, f"concurrency {failed_at[w.name]} already failed")
                 continue
-            if reason := self.budget.why_not(w, b, n + b) or stage_died():
+            if reason := self.budget.why_not(w, b, n + b) or stage_died(w):
                 self.skip(w, b, reason)
                 continue
             t0 = time.perf_counter()
@@ -332,12 +346,8 @@ def main(argv=None) -> dict:
         run["launch_s"], run["log_dir"] = time.perf_counter() - t0, str(mesh.log_dir)
         print(f"mesh of {args.config} healthy after {run['launch_s']:.0f}s", flush=True)
 
-        def stage_died() -> str:
-            dead = [f"{name} exited with code {p.returncode}" for name, p in mesh.procs.items() if p.poll() is not None]
-            return "; ".join(dead)
-
         try:
-            asyncio.run(sweep.mesh(mesh.gateway_address, stage_died))
+            asyncio.run(sweep.mesh(mesh.gateway_address, lambda w: dead_stages(mesh.procs, w)))
         finally:
             run["stage_exit_codes"] = mesh.stop()
     else:  # a mesh started apart (services.launch with the same --config and --set), perhaps still starting
@@ -345,7 +355,7 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             wait_serving(cfg, args.wait_ready)
             run["wait_ready_s"] = time.perf_counter() - t0
-        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda: "", args.wait_ready))
+        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda w: "", args.wait_ready))
     run.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=time.perf_counter() - started)
     results.write(result, args.out)
     print(f"wrote {args.out} ({len(result['cells'])} cells, {run['wall_s']:.0f}s)", flush=True)

@@ -342,3 +342,25 @@ def test_thinker_modes_share_one_engine(bench_dir):
     with pytest.raises(SystemExit, match="no such switch"):
         stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(bench_dir / "none.json"), "--stages", "thinker",
                      "--batches", "1", "--prompt-lens", "8", "--decode-steps", "2", "--thinker-modes", "overlap"])
+
+
+def test_a_dead_stage_skips_only_the_cells_that_need_it():
+    """The sweep of session 7 lost every cell, text ones too, to a talker that had died: a stage's death now
+    skips only the workloads whose requests pass through it."""
+    from types import SimpleNamespace
+
+    from bench.run import dead_stages
+    from bench.workloads import WORKLOADS
+
+    def proc(code):
+        return SimpleNamespace(poll=lambda: code, returncode=code)
+
+    procs = {"gateway-0": proc(None), "preprocess-0": proc(None), "encoder-0": proc(None), "encoder-1": proc(None),
+             "thinker-0": proc(None), "talker-0": proc(-6)}
+    assert {name: bool(dead_stages(procs, w)) for name, w in WORKLOADS.items()} == {
+        "t2t": False, "i2t": False, "s2t": False, "t2s": True, "i2s": True, "s2s": True}
+    assert dead_stages(procs, WORKLOADS["s2s"]) == "talker-0 exited with code -6"
+    procs["encoder-1"] = proc(1)
+    assert [n for n, w in WORKLOADS.items() if dead_stages(procs, w)] == ["i2t", "s2t", "t2s", "i2s", "s2s"]
+    procs["thinker-0"] = proc(1)
+    assert all(dead_stages(procs, w) for w in WORKLOADS.values())
