@@ -6,7 +6,8 @@ Per size and route, the producer's put (copy into its pool, synchronised), the m
 through a pipe, standing in for gRPC), and the consumer's get (read into its own GPU memory,
 synchronised). "ready" = put + get: how long after the producer starts handing over the tensor is
 in the consumer's hands, message time excluded. --cross-gpu-read source,pull measures both ways a GPU reads
-another GPU's pool (transport.cross_gpu_read). With --profile DIR, each side's measured puts or gets run
+another GPU's pool (transport.cross_gpu_read), --ipc-events off,on a put that waits for its copy against one
+whose consumer waits on the device (transport.ipc_events). With --profile DIR, each side's measured puts or gets run
 under cProfile, its busiest functions written to DIR (where the fixed hundred-odd microseconds go).
 """
 
@@ -134,6 +135,8 @@ def main(argv=None) -> None:
     parser.add_argument("--read-lanes", type=int, default=1, help="transport.read_lanes: parts of a large read from another GPU")
     parser.add_argument("--cross-gpu-read", default="source",
                         help="transport.cross_gpu_read, one or more of source,pull: across GPUs, a cell for each")
+    parser.add_argument("--ipc-events", default="off",
+                        help="transport.ipc_events, one or more of off,on: CUDA IPC cells for each")
     args = parser.parse_args(argv)
     cfg = dataclasses.replace(CFG, read_lanes=args.read_lanes)
     gpus = torch.cuda.device_count()
@@ -151,11 +154,14 @@ def main(argv=None) -> None:
             for key in args.transports.split(","):
                 transport, cuda = transports[key]
                 reads = args.cross_gpu_read.split(",") if cuda and src != dst else ["source"]
-                for read in reads:
-                    name = f"{transport}, {read}" if len(reads) > 1 or read != "source" else transport
-                    profile = args.profile and os.path.join(args.profile, f"{src[-1]}to{dst[-1]}-{label}-{key}-{read}")
-                    cell = {"route": route, "size": label, "transport": name, "cross_gpu_read": read,
-                            **measure(dataclasses.replace(cfg, cross_gpu_read=read), src, dst, nbytes, cuda, args.reps, profile)}
+                events = args.ipc_events.split(",") if cuda else ["off"]
+                for read, ev in [(r, e) for r in reads for e in events]:
+                    name = ", ".join([transport] + ([read] if len(reads) > 1 or read != "source" else [])
+                                     + (["events"] if ev == "on" else []))
+                    profile = args.profile and os.path.join(args.profile, f"{src[-1]}to{dst[-1]}-{label}-{key}-{read}-{ev}")
+                    variant = dataclasses.replace(cfg, cross_gpu_read=read, ipc_events=ev == "on")
+                    cell = {"route": route, "size": label, "transport": name, "cross_gpu_read": read, "ipc_events": ev == "on",
+                            **measure(variant, src, dst, nbytes, cuda, args.reps, profile)}
                     result["cells"].append(cell)
                     write(result, args.out)  # after every cell: a run cut short keeps what it measured
                     print(f"{route:13s} {label:5s} {name:22s} put {cell['put_us']:9.1f} us  get {cell['get_us']:9.1f} us  "

@@ -34,10 +34,10 @@ def tensor(i: int, device) -> torch.Tensor:
     return t
 
 
-def producer(device: str, n: int, outs, report, name: str, go) -> None:
+def producer(device: str, n: int, outs, report, name: str, go, cfg=CFG) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, name, "local")
+    t = Transport(cfg, name, "local")
     go.wait()  # every consumer is up: none starts late enough to find its slots reclaimed
     cuda = device.startswith("cuda")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=cuda)
@@ -59,10 +59,10 @@ def producer(device: str, n: int, outs, report, name: str, go) -> None:
     t.close()
 
 
-def consumer(device: str, inbox, report, name: str) -> None:
+def consumer(device: str, inbox, report, name: str, cfg=CFG) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, name, "local")
+    t = Transport(cfg, name, "local")
     torch.zeros(1, device=device)
     report.send("ready")
     count = bad = 0
@@ -74,7 +74,7 @@ def consumer(device: str, inbox, report, name: str) -> None:
     report.send(("consumer", name, count, bad))
 
 
-def run(producers: list[tuple[str, int]], consumers_per_producer: list[str]) -> list:
+def run(producers: list[tuple[str, int]], consumers_per_producer: list[str], cfg=CFG) -> list:
     """Producers send refs through pipes to their consumers; every process reports through its own pipe."""
     ctx = mp.get_context("spawn")
     procs, reports, consumer_reports = [], [], []
@@ -87,9 +87,9 @@ def run(producers: list[tuple[str, int]], consumers_per_producer: list[str]) -> 
 
     for p, (pdev, n) in enumerate(producers):
         pipes = [ctx.Pipe(duplex=False) for _ in consumers_per_producer]
-        procs.append(ctx.Process(target=producer, args=(pdev, n, [w for _, w in pipes], report_pipe(), f"prod{p}", go)))
+        procs.append(ctx.Process(target=producer, args=(pdev, n, [w for _, w in pipes], report_pipe(), f"prod{p}", go, cfg)))
         for c, (cdev, (r, _)) in enumerate(zip(consumers_per_producer, pipes)):
-            procs.append(ctx.Process(target=consumer, args=(cdev, r, report_pipe(), f"cons{p}{c}")))
+            procs.append(ctx.Process(target=consumer, args=(cdev, r, report_pipe(), f"cons{p}{c}", cfg)))
             consumer_reports.append(reports[-1])
     for proc in procs:
         proc.start()
@@ -113,6 +113,19 @@ def devices() -> list[str]:
 def test_bit_exact_to_the_same_gpu_and_across_gpus():
     n = len(DTYPES) * len(SHAPES) * 2
     results = run([("cuda:0", n)], devices())
+    consumers = [r for r in results if r[0] == "consumer"]
+    assert sum(r[2] for r in consumers) == n and all(r[3] == 0 for r in consumers), results
+    assert [r[2] for r in results if r[0] == "producer"] == [0]
+
+
+@pytest.mark.parametrize("read", ["source", "pull"])
+def test_puts_that_return_before_their_copies_are_read_bit_exact(read):
+    """transport.ipc_events: a put returns once its copy is queued; the ref carries the slot's interprocess
+    event and each consumer's copy (same GPU, other GPU; PyTorch's or pulled) waits on it: every byte exact,
+    every slot back, over many puts each reusing slots and their events."""
+    cfg = dataclasses.replace(CFG, ipc_events=True, cross_gpu_read=read)
+    n = len(DTYPES) * len(SHAPES) * 6
+    results = run([("cuda:0", n)], devices(), cfg)
     consumers = [r for r in results if r[0] == "consumer"]
     assert sum(r[2] for r in consumers) == n and all(r[3] == 0 for r in consumers), results
     assert [r[2] for r in results if r[0] == "producer"] == [0]

@@ -91,6 +91,9 @@ class TransportConfig:
     # GPU: this process keeps a context there, time-sliced with the producer's), or "pull", the pool mapped
     # into the reading GPU's context and copied by that GPU (bench.transport --cross-gpu-read measures both).
     cross_gpu_read: Literal["source", "pull"] = "source"
+    # A GPU put returns once its copy is queued, not done: the ref carries an interprocess CUDA event recorded
+    # after the copy, and the consumer's copy waits for it on the device (off: the put waits on the host).
+    ipc_events: bool = False
 
 
 @dataclass

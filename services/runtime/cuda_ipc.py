@@ -79,15 +79,20 @@ class PeerPool:
         self.nbytes = handle.pool_bytes
 
 
-def read_pulled(pool: PeerPool, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, lanes: int = 1) -> torch.Tensor:
+def read_pulled(pool: PeerPool, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, lanes: int = 1,
+                ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """A copy, on the pool's mapped GPU, of the tensor at `offset`: pulled by that GPU in `lanes` parts (each on
-    its own stream) for a large one; complete when this returns."""
+    its own stream) for a large one, after the producer's `ready` event where there is one; complete when this
+    returns."""
     if offset < 0 or offset + nbytes > pool.nbytes:
         raise ValueError(f"bytes {offset}..{offset + nbytes} are outside the pool ({pool.nbytes} bytes)")
     target = pool.device
     with torch.cuda.stream(_stream(target)):
         out = torch.empty(nbytes, dtype=torch.uint8, device=target)
     parts = lane_bounds(nbytes, lanes)
+    if ready is not None:
+        for lane in range(len(parts)):
+            _stream(target, lane).wait_event(ready)
     with torch.cuda.device(target):
         for lane, (a, b) in enumerate(parts):
             _check(_cudart().cudaMemcpyAsync(out.data_ptr() + a, pool.base + offset + a, b - a, _MEMCPY_DEFAULT,
@@ -107,9 +112,11 @@ def _check_allocator() -> None:
 class CudaPool:
     """A producer's buffer on one GPU, its exported handle, and its slot table."""
 
-    def __init__(self, owner: str, device: torch.device, size: int, max_slots: int, reclaim_after_s: float):
+    def __init__(self, owner: str, device: torch.device, size: int, max_slots: int, reclaim_after_s: float,
+                 events: bool = False):
         _check_allocator()
         self.device = device
+        self.events: dict[int, tuple[torch.cuda.Event, bytes]] | None = {} if events else None  # slot -> event, handle
         self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         self.stream = _stream(device)  # made here, before any put: not while the stage's stream is busy
         self.table = ShmPool(f"omni-{owner}-cuda{device.index}-{os.getpid()}", size, max_slots, reclaim_after_s, host_data=False)
@@ -123,9 +130,11 @@ class CudaPool:
 
     def put(self, parts: list[torch.Tensor], ready: torch.cuda.Event | None = None) -> tensor_pb2.CudaIpcSlot | None:
         """Copies `parts` (one tensor, or several laid end to end: a stack without stacking them) into a slot.
-        The consumer reads from another process, so the bytes are there before this returns: with `ready`
-        (recorded after the tensors' producer) the copies wait for that alone, on a stream of their own, not for
-        work the stage queued since (its engine's next step)."""
+        With `ready` (recorded after the tensors' producer) the copies wait for that alone, on a stream of their
+        own, not for work the stage queued since (its engine's next step). The consumer reads from another
+        process: the bytes are there before this returns, or, with events, the slot's interprocess event is
+        recorded after the copies and sent for the consumer's copy to wait on (the parts' memory is kept from
+        reuse until the copies ran; their contents must not change before)."""
         sizes = [t.numel() * t.element_size() for t in parts]
         nbytes = sum(sizes)
         got = self.table.alloc(nbytes)
@@ -140,8 +149,22 @@ class CudaPool:
             for t, n in zip(parts, sizes):
                 self.buffer[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                 at += n
-        stream.synchronize()
-        return tensor_pb2.CudaIpcSlot(pool=self.table.name, slot=slot, generation=gen, offset=offset, nbytes=nbytes, handle=self.handle)
+        event = b""
+        if self.events is None:
+            stream.synchronize()
+        else:
+            if slot not in self.events:  # one per slot: a consumer waits on it before the slot can be reused
+                with torch.cuda.device(self.device):
+                    made = torch.cuda.Event(interprocess=True)
+                    made.record(stream)
+                    self.events[slot] = made, made.ipc_handle()
+            self.events[slot][0].record(stream)
+            event = self.events[slot][1]
+            for t in parts:
+                if t.device == self.device:
+                    t.record_stream(stream)
+        return tensor_pb2.CudaIpcSlot(pool=self.table.name, slot=slot, generation=gen, offset=offset, nbytes=nbytes,
+                                      handle=self.handle, ready_event=event)
 
     def close(self) -> None:
         self.table.close()
@@ -179,22 +202,26 @@ def lane_bounds(nbytes: int, lanes: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device, lanes: int = 1) -> torch.Tensor:
+def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device, lanes: int = 1,
+         ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """A copy, on `device`, of the tensor at `offset` of a mapped pool; complete when this returns.
 
     The copy runs on a stream of its own and only it is waited for: the producer finished writing before it
     sent the ref, so nothing queued in this process need come first, and a stage whose engine keeps the
     device busy (a talker step, a thinker step) does not hold up the thread that takes in its inputs.
     From another GPU, a large tensor may be copied in `lanes` parts on as many stream pairs at once, for
-    more copy engines on the link than one copy uses (transport.read_lanes)."""
+    more copy engines on the link than one copy uses (transport.read_lanes). With the producer's `ready` event
+    (its copy into the pool may still run), the copies wait for it on the device first."""
     target = torch.device(device)
     parts = lane_bounds(nbytes, lanes) if target.type == "cuda" and target != buffer.device else [(0, nbytes)]
     if len(parts) > 1:
-        return _read_lanes(buffer[offset:offset + nbytes], parts, target).view(dtype).reshape(shape)
+        return _read_lanes(buffer[offset:offset + nbytes], parts, target, ready).view(dtype).reshape(shape)
     source = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
     # From another GPU, torch copies on the source GPU's current stream after the target's current stream: both
     # are the transport's here, or the copy would wait for whatever this process queued on the default ones.
     streams = [_stream(buffer.device)] + ([_stream(target)] if target.type == "cuda" and target != buffer.device else [])
+    if ready is not None:
+        streams[0].wait_event(ready)
     with contextlib.ExitStack() as on:
         for stream in streams:
             on.enter_context(torch.cuda.stream(stream))
@@ -206,11 +233,15 @@ def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, sha
     return out
 
 
-def _read_lanes(source: torch.Tensor, parts: list[tuple[int, int]], target: torch.device) -> torch.Tensor:
+def _read_lanes(source: torch.Tensor, parts: list[tuple[int, int]], target: torch.device,
+                ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """`source` (bytes on another GPU) into a new tensor on `target`, each part on its own pair of streams
-    (torch copies across GPUs on the source's current stream, after the target's)."""
+    (torch copies across GPUs on the source's current stream, after the target's), after `ready` if given."""
     with torch.cuda.stream(_stream(target)):
         out = torch.empty(source.numel(), dtype=torch.uint8, device=target)
+    if ready is not None:
+        for lane in range(len(parts)):
+            _stream(source.device, lane).wait_event(ready)
     for lane, (a, b) in enumerate(parts):
         with torch.cuda.stream(_stream(source.device, lane)), torch.cuda.stream(_stream(target, lane)):
             out[a:b].copy_(source[a:b])

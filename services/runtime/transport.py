@@ -203,6 +203,7 @@ class Transport:
         self._views: dict[str, _PoolView] = {}
         self._mapped: dict[str, torch.Tensor] = {}  # GPU pools of other processes, mapped once
         self._peers: dict[tuple[str, int], object] = {}  # the same mapped into another GPU's context (pull reads)
+        self._events: dict[tuple[str, int], tuple[bytes, object]] = {}  # (pool, slot) -> its producer's event, opened
         self._lock = threading.Lock()
 
     @property
@@ -222,7 +223,7 @@ class Transport:
             if device not in self._cuda_pools:
                 clean_stale_pools()
                 self._cuda_pools[device] = CudaPool(self.owner, device, self.cfg.cuda_pool_bytes, self.cfg.max_slots,
-                                                    self.cfg.reclaim_after_s)
+                                                    self.cfg.reclaim_after_s, self.cfg.ipc_events)
             return self._cuda_pools[device]
 
     def _count(self, transport: str, direction: str, nbytes: int) -> None:
@@ -299,10 +300,11 @@ class Transport:
             from services.runtime.cuda_ipc import read, read_pulled
 
             target = torch.device(device)
+            ready = self._ready_event(s)
             if self.cfg.cross_gpu_read == "pull" and target.type == "cuda" and target.index != s.handle.device:
-                out = read_pulled(self._peer_pool(s, target), s.offset, s.nbytes, dtype, shape, self.cfg.read_lanes)
+                out = read_pulled(self._peer_pool(s, target), s.offset, s.nbytes, dtype, shape, self.cfg.read_lanes, ready)
             else:
-                out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device, self.cfg.read_lanes)
+                out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device, self.cfg.read_lanes, ready)
         if not live():  # reclaimed while we copied: what we read may be another tensor's
             raise ValueError(f"slot {s.pool}/{s.slot} was reclaimed while it was read")
         entry["released"] = s.generation
@@ -326,6 +328,17 @@ class Transport:
             if s.pool not in self._mapped:
                 self._mapped[s.pool] = open_pool(s.handle)
             return self._mapped[s.pool]
+
+    def _ready_event(self, s: tensor_pb2.CudaIpcSlot):
+        """The producer's event for a slot whose copy may still be under way (opened once per slot), else None."""
+        if not s.ready_event:
+            return None
+        key = (s.pool, s.slot)
+        with self._lock:
+            held = self._events.get(key)
+            if held is None or held[0] != s.ready_event:
+                held = self._events[key] = (s.ready_event, torch.cuda.Event.from_ipc_handle(s.handle.device, s.ready_event))
+            return held[1]
 
     def _peer_pool(self, s: tensor_pb2.CudaIpcSlot, target: torch.device):
         from services.runtime.cuda_ipc import PeerPool

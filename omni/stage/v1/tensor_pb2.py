@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomni/stage/v1/tensor.proto\x12\romni.stage.v1\"Y\n\x07ShmSlot\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xde\x01\n\x0e\x43udaPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x12\n\npool_bytes\x18\t \x01(\x04\"\x8c\x01\n\x0b\x43udaIpcSlot\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12-\n\x06handle\x18\x06 \x01(\x0b\x32\x1d.omni.stage.v1.CudaPoolHandle\"\xb5\x01\n\tTensorRef\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.omni.stage.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x15\n\x0binline_data\x18\x03 \x01(\x0cH\x00\x12%\n\x03shm\x18\x04 \x01(\x0b\x32\x16.omni.stage.v1.ShmSlotH\x00\x12*\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1a.omni.stage.v1.CudaIpcSlotH\x00\x42\n\n\x08location\"-\n\tPlacement\x12\x12\n\nshm_domain\x18\x01 \x01(\t\x12\x0c\n\x04\x63uda\x18\x02 \x01(\x08*\x9c\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_INT16\x10\x06\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x07\x42V\n\x1a\x64\x65v.omnimesh.omni.stage.v1P\x01Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomni/stage/v1/tensor.proto\x12\romni.stage.v1\"Y\n\x07ShmSlot\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xde\x01\n\x0e\x43udaPoolHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x12\n\npool_bytes\x18\t \x01(\x04\"\xa1\x01\n\x0b\x43udaIpcSlot\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12-\n\x06handle\x18\x06 \x01(\x0b\x32\x1d.omni.stage.v1.CudaPoolHandle\x12\x13\n\x0bready_event\x18\x07 \x01(\x0c\"\xb5\x01\n\tTensorRef\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.omni.stage.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x15\n\x0binline_data\x18\x03 \x01(\x0cH\x00\x12%\n\x03shm\x18\x04 \x01(\x0b\x32\x16.omni.stage.v1.ShmSlotH\x00\x12*\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1a.omni.stage.v1.CudaIpcSlotH\x00\x42\n\n\x08location\"-\n\tPlacement\x12\x12\n\nshm_domain\x18\x01 \x01(\t\x12\x0c\n\x04\x63uda\x18\x02 \x01(\x08*\x9c\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_INT16\x10\x06\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x07\x42V\n\x1a\x64\x65v.omnimesh.omni.stage.v1P\x01Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,16 +32,16 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omni.stage.v1.tensor_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\032dev.omnimesh.omni.stage.v1P\001Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1'
-  _globals['_DTYPE']._serialized_start=736
-  _globals['_DTYPE']._serialized_end=892
+  _globals['_DTYPE']._serialized_start=757
+  _globals['_DTYPE']._serialized_end=913
   _globals['_SHMSLOT']._serialized_start=45
   _globals['_SHMSLOT']._serialized_end=134
   _globals['_CUDAPOOLHANDLE']._serialized_start=137
   _globals['_CUDAPOOLHANDLE']._serialized_end=359
   _globals['_CUDAIPCSLOT']._serialized_start=362
-  _globals['_CUDAIPCSLOT']._serialized_end=502
-  _globals['_TENSORREF']._serialized_start=505
-  _globals['_TENSORREF']._serialized_end=686
-  _globals['_PLACEMENT']._serialized_start=688
-  _globals['_PLACEMENT']._serialized_end=733
+  _globals['_CUDAIPCSLOT']._serialized_end=523
+  _globals['_TENSORREF']._serialized_start=526
+  _globals['_TENSORREF']._serialized_end=707
+  _globals['_PLACEMENT']._serialized_start=709
+  _globals['_PLACEMENT']._serialized_end=754
 # @@protoc_insertion_point(module_scope)

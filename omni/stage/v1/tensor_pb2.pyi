@@ -63,20 +63,22 @@ class CudaPoolHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class CudaIpcSlot(_message.Message):
-    __slots__ = ("pool", "slot", "generation", "offset", "nbytes", "handle")
+    __slots__ = ("pool", "slot", "generation", "offset", "nbytes", "handle", "ready_event")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     pool: str
     slot: int
     generation: int
     offset: int
     nbytes: int
     handle: CudaPoolHandle
-    def __init__(self, pool: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., handle: _Optional[_Union[CudaPoolHandle, _Mapping]] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, pool: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., handle: _Optional[_Union[CudaPoolHandle, _Mapping]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class TensorRef(_message.Message):
     __slots__ = ("dtype", "shape", "inline_data", "shm", "cuda")
