@@ -27,6 +27,8 @@ ENGINES = {
     "audio handed out late": {},  # as on a GPU's side stream: code2wav complete a few steps after its launch
     "overlapped frame steps": {"overlap": True},  # each step's codes read after the next step is launched
     "overlap and preemption": {"overlap": True, "kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
+    # the layers compiled (compile: true, inductor on the CPU here): the fused forms the GPU runs, same codes
+    "compiled overlapped frame steps": {"compile": True, "overlap": True},
 }
 TOKENS, FRAMES = 10, 14
 
@@ -85,8 +87,12 @@ def late(launch):
 
 
 @pytest.mark.parametrize("setup", list(ENGINES))
-def test_batched_speech_equals_transformers(tiny_model, cases, setup):
+def test_batched_speech_equals_transformers(tiny_model, cases, setup, request):
     data, spec = cases
+    if ENGINES[setup].get("compile"):  # fuse() swaps the compiled functions in for the whole process: back after
+        from services.llm.layers import fuse
+
+        request.addfinalizer(lambda: fuse(False))
     engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, **ENGINES[setup])
     # Nothing records autograd (captured steps would, and compiled layers would keep a variant for it).
     assert not any(p.requires_grad for m in (engine.talker, engine.code2wav) for p in m.parameters())
