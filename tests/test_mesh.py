@@ -48,6 +48,19 @@ def check_waveform(result, ref_wave: np.ndarray, atol: float = WAVE_ATOL) -> Non
     assert frame == len(result.codes)
 
 
+def check_waits(usage, case) -> None:
+    """Where a time to first token waits: the thinker's queue; with media, the encoder's queue and each call as
+    the gateway saw it (no shorter than the stage's own count, all within the time to first token)."""
+    t = {x.stage: x.seconds for x in usage.timings}
+    assert 0 < t["thinker_wait"] < usage.time_to_first_token_seconds, t
+    if any(kind != "text" for _, parts in case.messages for kind, _ in parts):
+        assert 0 < t["encode_wait"] and t["encode"] + t["encode_wait"] <= t["gateway_encode"], t
+        assert t["preprocess"] <= t["gateway_preprocess"], t
+        assert t["gateway_preprocess"] + t["gateway_encode"] < usage.time_to_first_token_seconds, t
+    else:
+        assert not {"encode_wait", "gateway_encode", "gateway_preprocess"} & set(t), t
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_path_matches_transformers(any_mesh, reference, path):
     mesh = any_mesh
@@ -62,11 +75,13 @@ def test_path_matches_transformers(any_mesh, reference, path):
     assert res.finished.reason in (omni_pb2.FINISH_REASON_STOP, omni_pb2.FINISH_REASON_LENGTH)
     if not speech:
         assert res.pcm == [] and usage.audio_seconds == 0
+        check_waits(usage, case)
         return
     assert res.codes == codes and len(codes) > 0
     assert usage.audio_frames == len(codes)
     assert usage.audio_seconds == pytest.approx(res.samples / 24000)
     assert 0 < usage.time_to_first_token_seconds <= usage.time_to_first_audio_seconds
+    check_waits(usage, case)
     # The talker's share of the time to first audio, step by step, within it.
     split = {t.stage: t.seconds for t in usage.timings if t.stage.startswith("talker_")}
     assert {"talker_queue", "talker_first_frame", "talker_first_chunk"} <= set(split), split

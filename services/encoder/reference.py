@@ -31,6 +31,8 @@ class EncodeJob:
     items: list[Item]
     done: bool = False
     seconds: float = 0.0
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float = 0.0  # when a step took it (its wait in the queue: started - submitted)
 
 
 class ReferenceEncoder:
@@ -74,11 +76,14 @@ class ReferenceEncoder:
     @torch.no_grad()
     def step(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:
         if self.batch:
+            started = time.perf_counter()
+            for job in jobs:
+                job.started = started
             out = self._step_batched(jobs)
         else:
             out = []
             for job in jobs:
-                t0 = time.perf_counter()
+                t0 = job.started = time.perf_counter()
                 out.append((job, [self._encode(item) for item in job.items]))
                 job.done, job.seconds = True, time.perf_counter() - t0
         if self.device.type == "cuda":  # the transport copies them once this is reached, not after later steps

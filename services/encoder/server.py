@@ -29,7 +29,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         finally:
             if not finished:
                 self.worker.cancel(handle)
-        reply = encoder_pb2.EncodeResponse(timings=timings(encode=job.seconds))
+        reply = encoder_pb2.EncodeResponse(timings=timings(encode=job.seconds, encode_wait=max(job.started - job.submitted, 1e-9)))
         for item, enc in zip(request.items, encoded):
             reply.items.append(encoder_pb2.Embedding(
                 kind=item.kind, embeds=self.transport.put(enc.embeds, request.placement, enc.ready),

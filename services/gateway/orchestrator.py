@@ -164,16 +164,22 @@ class Gateway:
         encoder_ep = self.encoders.pick("audio" if r.want_audio else "text")
         pre_ep = self.preprocess.pick()
         items = [preprocess_pb2.MediaItem(**{type(m).__name__.lower(): m}) for m in r.media]
+        t0 = time.perf_counter()
         with self.preprocess.use(pre_ep):
             pre = await pre_ep.stub.Process(
                 preprocess_pb2.PreprocessRequest(request_id=rid, items=items, placement=_placement(encoder_ep)), timeout=progress.left())
         progress.add_timings(pre.timings)
+        # The calls as the gateway waited for them (the stage's work, its queue, the messages): beside the stages'
+        # own counts they show where a time to first token waits.
+        progress.timings["gateway_preprocess"] = time.perf_counter() - t0
         media = [MediaRef(MEDIA_KINDS[f.kind], f.num_tokens, tuple(f.grid_thw) or None, f.feature_length, f.second_per_grid) for f in pre.items]
         prompt = self._build_prompt(r, media)
+        t0 = time.perf_counter()
         with self.encoders.use(encoder_ep):
             enc = await encoder_ep.stub.Encode(
                 encoder_pb2.EncodeRequest(request_id=rid, items=pre.items, placement=_placement(thinker_ep)), timeout=progress.left())
         progress.add_timings(enc.timings)
+        progress.timings["gateway_encode"] = time.perf_counter() - t0
         spans = [thinker_pb2.MultimodalSpan(offset=o, embeds=e.embeds, deepstack=e.deepstack) for o, e in zip(prompt.offsets, enc.items)]
         return spans, prompt
 

@@ -184,6 +184,8 @@ class NativeThinker:
         t0 = time.perf_counter()
         self.last_wait_s = 0.0
         work = self.scheduler.schedule()
+        for w in work:  # a request's wait for its first step ends here
+            w.seq.owner.started = w.seq.owner.started or t0
         if not work and self.pending is None:
             return []
         out = []

@@ -42,6 +42,8 @@ class ThinkerSeq:
     generator: torch.Generator | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    arrived: float = field(default_factory=time.perf_counter)  # made when the request reached the stage
+    started: float = 0.0  # when a step first computed it (its wait: started - arrived)
 
     @property
     def n_cached(self) -> int:
@@ -132,6 +134,7 @@ class ReferenceThinker:
 
     def _step(self, seq: ThinkerSeq) -> ThinkerStep:
         t0 = time.perf_counter()
+        seq.started = seq.started or t0
         prefill = seq.cache is None
         if prefill:
             embeds, position_ids, deepstack, visual_mask = self._prefill_inputs(seq)

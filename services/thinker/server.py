@@ -56,7 +56,8 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                 if step.stop_reason:
                     out.stop_reason = STOP_REASONS[step.stop_reason]
                     out.prompt_tokens = len(seq.prompt_ids)
-                    out.timings.extend(timings(thinker_prefill=seq.prefill_seconds, thinker_decode=seq.decode_seconds))
+                    out.timings.extend(timings(thinker_wait=max(seq.started - seq.arrived, 1e-9) if seq.started else 0.0,
+                                               thinker_prefill=seq.prefill_seconds, thinker_decode=seq.decode_seconds))
                 yield out
             finished = True
         finally:
