@@ -231,3 +231,18 @@ def test_every_stage_reports_its_load(any_mesh):
         t.join()
     assert idle.in_flight == 0 and idle.active == 0
     assert max(r.in_flight for r in seen) >= 1 and max(r.active for r in seen) >= 1
+
+
+def test_queue_waits_reach_prometheus(mesh):
+    """omni_queue_wait_seconds (the Grafana panel "Queue wait"): every engine stage a speech request with an
+    image passes through observes its wait once per request."""
+    from client_util import metric
+
+    def counts():
+        return {stage: sum(metric(r.metrics_port, "omni_queue_wait_seconds_count", stage=stage) for r in mesh.cfg.replicas(stage))
+                for stage in ("encoder", "thinker", "talker")}
+
+    before = counts()
+    for _ in range(2):
+        generate(mesh.gateway_address, CASES["image"].request(speech=True, max_tokens=2, frames=2))
+    assert {s: c - before[s] for s, c in counts().items()} == {"encoder": 2, "thinker": 2, "talker": 2}

@@ -3,7 +3,7 @@
 from omni.stage.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
 from services.runtime.config import MeshConfig
-from services.runtime.metrics import rpc
+from services.runtime.metrics import QUEUE_WAIT, rpc
 from services.runtime.protoconv import DTYPES, timings
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
@@ -29,7 +29,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         finally:
             if not finished:
                 self.worker.cancel(handle)
-        reply = encoder_pb2.EncodeResponse(timings=timings(encode=job.seconds, encode_wait=max(job.started - job.submitted, 1e-9)))
+        wait = max(job.started - job.submitted, 1e-9)
+        QUEUE_WAIT.labels("encoder").observe(wait)
+        reply = encoder_pb2.EncodeResponse(timings=timings(encode=job.seconds, encode_wait=wait))
         for item, enc in zip(request.items, encoded):
             reply.items.append(encoder_pb2.Embedding(
                 kind=item.kind, embeds=self.transport.put(enc.embeds, request.placement, enc.ready),

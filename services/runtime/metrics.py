@@ -22,6 +22,8 @@ INFLIGHT = Gauge("omni_inflight_requests", "RPCs in progress", ["stage", "method
 STEP = Histogram("omni_step_seconds", "Engine step duration", ["stage", "kind"], buckets=_STEP_BUCKETS)
 ACTIVE = Gauge("omni_active_sequences", "Requests holding engine state (KV cache, talker state)", ["stage"])
 QUEUED = Gauge("omni_queued_requests", "Requests waiting for the engine", ["stage"])
+QUEUE_WAIT = Histogram("omni_queue_wait_seconds", "How long a request waited for its stage's engine to first take it",
+                       ["stage"], buckets=_LATENCY_BUCKETS)
 TOKENS = Counter("omni_generated_tokens", "Tokens (thinker) or frames (talker) produced", ["stage"])
 
 TRANSPORT_BYTES = Counter("omni_transport_bytes", "Tensor bytes handed over", ["transport", "direction"])

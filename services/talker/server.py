@@ -8,7 +8,7 @@ from omni.stage.v1 import talker_pb2, talker_pb2_grpc
 from services.model.spec import OmniSpec, audio_tokens
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
-from services.runtime.metrics import TOKENS, rpc
+from services.runtime.metrics import QUEUE_WAIT, TOKENS, rpc
 from services.runtime.protoconv import DTYPES, layout_from_proto, sampling_from_proto, timings
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
@@ -84,8 +84,11 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                         first_frame=chunk.first_frame,
                     ))
                 if step.finished:
+                    split = seq.first_audio_split()
+                    if "talker_queue" in split:
+                        QUEUE_WAIT.labels("talker").observe(split["talker_queue"])
                     yield talker_pb2.TalkerOutput(finished=talker_pb2.TalkerFinished(
-                        frames=len(seq.frames), eos=seq.eos, timings=timings(**seq.seconds, **seq.first_audio_split()),
+                        frames=len(seq.frames), eos=seq.eos, timings=timings(**seq.seconds, **split),
                     ))
             finished = True
             await feeder  # the rest of the caller's stream, released unread (see _feed)

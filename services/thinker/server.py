@@ -5,7 +5,7 @@ import torch
 from omni.stage.v1 import thinker_pb2, thinker_pb2_grpc
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
-from services.runtime.metrics import TOKENS, rpc
+from services.runtime.metrics import QUEUE_WAIT, TOKENS, rpc
 from services.runtime.protoconv import DTYPES, sampling_from_proto, timings
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
@@ -56,8 +56,11 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
                 if step.stop_reason:
                     out.stop_reason = STOP_REASONS[step.stop_reason]
                     out.prompt_tokens = len(seq.prompt_ids)
-                    out.timings.extend(timings(thinker_wait=max(seq.started - seq.arrived, 1e-9) if seq.started else 0.0,
-                                               thinker_prefill=seq.prefill_seconds, thinker_decode=seq.decode_seconds))
+                    wait = max(seq.started - seq.arrived, 1e-9) if seq.started else 0.0
+                    if wait:
+                        QUEUE_WAIT.labels("thinker").observe(wait)
+                    out.timings.extend(timings(thinker_wait=wait, thinker_prefill=seq.prefill_seconds,
+                                               thinker_decode=seq.decode_seconds))
                 yield out
             finished = True
         finally:
