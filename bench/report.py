@@ -56,6 +56,26 @@ def describe(result: dict) -> str:
             f"config `{result['config'].get('path', '')}`; {'commands' if len(runs) > 1 else 'command'} {commands}")
 
 
+# The parts of a time to first token (and audio) the stages report per request, in the order a request meets them.
+FIRST_OUTPUT_PARTS = ["preprocess", "gateway_preprocess", "encode_wait", "encode", "gateway_encode", "thinker_wait",
+                      "thinker_prefill", "talker_wait_states", "talker_queue", "talker_first_frame", "talker_first_chunk"]
+
+
+def first_output_split(group: str, cells: list[dict]) -> list[str]:
+    """A table of where each cell's first token (and audio) waits: the p50 of each part the stages reported."""
+    parts = [k for k in FIRST_OUTPUT_PARTS if any((c.get("stage_seconds_p50") or {}).get(k) is not None for c in cells)]
+    if not parts:
+        return []
+    lines = [f"Where {group}'s first output waits, p50 of each part in ms (the gateway_* calls contain the stage's own "
+             "parts; p50s of parts need not add up to the p50 of the whole):", "",
+             "| cell | " + " | ".join(parts) + " |", "|---" * (len(parts) + 1) + "|"]
+    for cell in cells:
+        split = cell.get("stage_seconds_p50") or {}
+        label = key_label(tuple(kv for kv in cell_key(cell) if kv[0] not in ("workload", "stage", "mode")))
+        lines.append(f"| {label} | " + " | ".join("-" if split.get(k) is None else f"{1000 * split[k]:.0f}" for k in parts) + " |")
+    return lines + [""]
+
+
 def markdown(result: dict, name: str, baseline: dict | None = None, baseline_name: str = "") -> str:
     lines = [f"# {name}", "", f"- ours: `{name}`: {describe(result)}"]
     if baseline:
@@ -81,6 +101,7 @@ def markdown(result: dict, name: str, baseline: dict | None = None, baseline_nam
             lines.append(f"| {label} | " + " | ".join(figure(c, cell, other if other is not None else ({} if baseline else None))
                                                    for c in columns) + f" | {notes} |")
         lines.append("")
+        lines += first_output_split(group, cells)
     return "\n".join(lines)
 
 

@@ -133,6 +133,12 @@ def test_report_and_compare(mesh_result, hf_result, capsys):
     md = written[0].read_text()
     assert written[0] == mesh_result.with_suffix(".md")
     assert "## t2t" in md and "## s2s" in md and "| B=2 |" in md and "x) |" in md and "hf.json" in md
+    # where each first output waits, from the stages' own reports: the thinker's queue everywhere, the encoder's
+    # with media, the talker's parts with speech
+    split = md[md.index("## s2s"):]
+    assert "Where s2s's first output waits" in split and "encode_wait" in split and "talker_first_chunk" in split
+    text = md[md.index("## t2t"):md.index("## i2s")]
+    assert "thinker_wait" in text and "encode_wait" not in text
     rows = compare.main([str(hf_result), str(mesh_result), "--metrics", "output_tok_per_s,ttfa_p50"])
     assert len(rows) == 6 + 4  # tok/s for every cell, TTFA for the speech ones
     out = capsys.readouterr().out
