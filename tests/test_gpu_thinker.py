@@ -124,6 +124,23 @@ def test_captured_greedy_decode_agrees_with_transformers_over_256_steps(pair):
         assert (gaps[~agree] <= 2 * noise[~agree]).all()
 
 
+def decode(engine, seqs, **switches) -> list[list[int]]:
+    """`seqs` added, stepped until every one is done and freed, with the engine's `switches` (overlap,
+    graph_sampling) set for the run and back to their defaults after; each one's tokens."""
+    for name, value in switches.items():
+        setattr(engine, name, value)
+    try:
+        for s in seqs:
+            engine.add(s)
+        while not all(s.done for s in seqs):
+            engine.step(seqs)
+        for s in seqs:
+            engine.free(s)
+    finally:
+        engine.overlap, engine.graph_sampling = False, True
+    return [s.generated for s in seqs]
+
+
 def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     """Decode steps launched before the previous step's tokens are read (their inputs gathered on the device
     from that step's samples) replay the same graphs on the same inputs: greedy and seeded tokens equal the
@@ -138,17 +155,7 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
         seqs = [seq(f"o{i}", torch.randint(0, vocab, (n,), generator=gen), 48) for i, n in enumerate((40, 90, 130, 200, 60))]
         for i, s in enumerate(seqs[2:]):
             s.params = replace(s.params, temperature=0.7, top_p=0.8, top_k=20, seed=i + 1)
-        engine.overlap = overlap
-        try:
-            for s in seqs:
-                engine.add(s)
-            while not all(s.done for s in seqs):
-                engine.step(seqs)
-            for s in seqs:
-                engine.free(s)
-        finally:
-            engine.overlap = False
-        return [s.generated for s in seqs]
+        return decode(engine, seqs, overlap=overlap)
 
     overlapped_before = engine.overlapped
     plain, again, overlapped = run(False), run(False), run(True)
@@ -157,6 +164,7 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     assert again == plain, "two plain runs differ: the engine does not repeat itself bit for bit"
     assert engine.overlapped - overlapped_before >= 40 and engine.pending is None
     assert overlapped == plain
+
 
 def test_tokens_drawn_inside_the_decode_graph_equal_the_samplers(pair):
     """thinker.graph_sampling: a captured step's own draw (greedy and seeded top-k/top-p rows) gives the tokens
@@ -175,17 +183,7 @@ def test_tokens_drawn_inside_the_decode_graph_equal_the_samplers(pair):
         if penalty:
             seqs.append(seq("pen", torch.randint(0, vocab, (20,), generator=gen), 40))
             seqs[-1].params = replace(seqs[-1].params, repetition_penalty=1.2)
-        engine.graph_sampling, engine.overlap = graph_sampling, overlap
-        try:
-            for s in seqs:
-                engine.add(s)
-            while not all(s.done for s in seqs):
-                engine.step(seqs)
-            for s in seqs:
-                engine.free(s)
-        finally:
-            engine.graph_sampling, engine.overlap = True, False
-        return [s.generated for s in seqs]
+        return decode(engine, seqs, graph_sampling=graph_sampling, overlap=overlap)
 
     eager = run(False, False)
     assert run(True, False) == eager

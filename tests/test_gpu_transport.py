@@ -1,5 +1,6 @@
 """CUDA IPC transport between real processes: a producer on GPU0, consumers on GPU0 and GPU1."""
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import time
@@ -259,26 +260,33 @@ def _put_stacks(refs_out) -> None:
     t.close()
 
 
+@contextlib.contextmanager
+def refs_from(producer):
+    """Runs `producer(pipe)` in a process of its own; yields what it sends (its refs), tells it they were read."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=producer, args=(theirs,))
+    proc.start()
+    try:
+        assert mine.poll(120)
+        yield mine.recv()
+        mine.send(None)
+    finally:
+        proc.join(timeout=60)
+
+
 def test_tensors_put_together_cross_gpus_as_their_stack():
     """put([a, b]) of CUDA tensors: one CUDA IPC slot, each part copied into it (non-contiguous parts too);
     the consumer on the other GPU reads their stack."""
     from services.runtime.transport import Transport
 
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_put_stacks, args=(theirs,))
-    proc.start()
-    try:
-        assert mine.poll(120)
-        first, second = (tensor_pb2.TensorRef.FromString(r) for r in mine.recv())
+    with refs_from(_put_stacks) as refs:
+        first, second = (tensor_pb2.TensorRef.FromString(r) for r in refs)
         t = Transport(CFG, "stackcons", "local")
         x = torch.stack([tensor(3, "cpu")] * 4)
         for ref, want in ((first, torch.stack([x[0], x[1] * 2])), (second, torch.stack([x[::2], x[1::2]]))):
             assert ref.WhichOneof("location") == "cuda"
             assert torch.equal(t.get(ref, devices()[1]).cpu(), want)
-        mine.send(None)
-    finally:
-        proc.join(timeout=60)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -321,21 +329,14 @@ def test_gpu1_pulls_gpu0s_pool_bit_exact(lanes):
     engines (in lanes for a large read): every byte where it belongs, the tensor on GPU1, the slot released."""
     from services.runtime.transport import Transport
 
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_put_for_pull, args=(theirs,))
-    proc.start()
-    try:
-        assert mine.poll(120)
+    with refs_from(_put_for_pull) as rounds:
         t = Transport(dataclasses.replace(CFG, cross_gpu_read="pull", read_lanes=lanes), "pullcons", "local")
-        for refs in mine.recv():  # twice: the second round reads through the mapping the first one made
+        for refs in rounds:  # twice: the second round reads through the mapping the first one made
             for n, data in zip(PULL_SIZES, refs):
                 ref = tensor_pb2.TensorRef.FromString(data)
                 got = t.get(ref, "cuda:1")
                 want = _pull_data(n, "cpu")
                 assert got.device == torch.device("cuda:1")
                 assert got.dtype == torch.int16 and torch.equal(got.cpu().view(torch.uint8), want), (n, lanes)
+                assert int(t._view(ref.cuda.pool).entry(ref.cuda.slot)["released"]) == ref.cuda.generation
         assert list(t._peers) == [(ref.cuda.pool, 1)] and not t._mapped  # no context of this process on GPU0's pool
-        mine.send(None)
-    finally:
-        proc.join(timeout=60)

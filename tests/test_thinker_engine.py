@@ -186,10 +186,13 @@ def test_overlapped_decode_gives_the_tokens_of_the_plain_one(tiny_model, referen
 
 
 def test_a_captured_steps_own_draw_stands_for_the_sampler_where_it_can():
-    """A decode graph draws with sample_tensors over its best GRAPH_TOP_K logits: for every row graph_drawable
+    """A decode graph draws with sample_tensors over its best GRAPH_TOP_K logits: for every row tensor_drawable
     admits, the token sample_batch draws (same seeds and counters); rows it refuses are the sampler's alone."""
-    from services.llm.sampling import SamplingParams, sample_batch, sample_tensors
-    from services.thinker.engine import GRAPH_TOP_K, graph_drawable
+    from services.llm.sampling import SamplingParams, sample_batch, sample_tensors, tensor_drawable
+    from services.thinker.engine import GRAPH_TOP_K
+
+    def graph_drawable(p, generated):
+        return tensor_drawable(p, generated, GRAPH_TOP_K)
 
     drawable = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3),
                 SamplingParams(temperature=1.0, top_k=GRAPH_TOP_K, seed=9), SamplingParams(temperature=0.5, top_k=1, seed=2),

@@ -104,6 +104,14 @@ def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tenso
     return torch.where(temps > 0, _race(probs, order, noise), logits.argmax(-1))
 
 
+def tensor_drawable(p: SamplingParams, generated: int, k: int) -> bool:
+    """Whether sample_tensors over the best `k` logits gives this row the token sample_batch gives it: greedy, or
+    a top-k within `k`; no repetition penalty and no stop ids banned for a minimum length (sample_batch's
+    host-side cases). The draws are the same function of (seed, counter) either way."""
+    return (p.repetition_penalty == 1.0 and not (generated < p.min_tokens and p.stop_token_ids)
+            and (p.temperature == 0 or 0 < p.top_k <= k))
+
+
 OPS = {"sample_tensors": sample_tensors}  # services.llm.layers.fuse() compiles it: its tens of small kernels become a few
 
 

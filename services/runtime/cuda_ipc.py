@@ -154,12 +154,12 @@ class CudaPool:
             stream.synchronize()
         else:
             if slot not in self.events:  # one per slot: a consumer waits on it before the slot can be reused
-                with torch.cuda.device(self.device):
-                    made = torch.cuda.Event(interprocess=True)
-                    made.record(stream)
-                    self.events[slot] = made, made.ipc_handle()
-            self.events[slot][0].record(stream)
-            event = self.events[slot][1]
+                self.events[slot] = torch.cuda.Event(interprocess=True), b""
+            made, event = self.events[slot]
+            made.record(stream)
+            if not event:  # its handle exists once the event does (at its first record, on the pool's GPU)
+                event = made.ipc_handle()
+                self.events[slot] = made, event
             for t in parts:
                 if t.device == self.device:
                     t.record_stream(stream)

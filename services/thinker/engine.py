@@ -14,7 +14,7 @@ from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
 from services.llm import sampling
-from services.llm.sampling import SamplingParams, sample_batch
+from services.llm.sampling import sample_batch, tensor_drawable
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.model.spec import OmniSpec
@@ -25,14 +25,6 @@ from services.thinker.reference import ThinkerSeq, ThinkerStep, stop_reason, val
 
 PLACEHOLDER = -1  # a sequence's token drawn by a launched step, not read yet (overlap)
 GRAPH_TOP_K = 64  # the widest top-k a decode graph's own draw covers (its candidates: the best 64 logits)
-
-
-def graph_drawable(p: SamplingParams, generated: int) -> bool:
-    """Whether a captured step's own draw gives this row the token sample_batch would: greedy, or a top-k within
-    GRAPH_TOP_K; no repetition penalty and no stop ids banned for a minimum length (sample_batch's host-side
-    cases). The draws are the same function of (seed, counter) either way."""
-    return (p.repetition_penalty == 1.0 and not (generated < p.min_tokens and p.stop_token_ids)
-            and (p.temperature == 0 or 0 < p.top_k <= GRAPH_TOP_K))
 
 
 @dataclass
@@ -70,7 +62,7 @@ class NativeThinker:
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True):
         self.device, self.dtype = torch.device(device), dtype
-        self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where graph_drawable
+        self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
         self.overlapped = 0  # steps launched before the previous one's tokens were read
         if compile:
@@ -356,8 +348,8 @@ class NativeThinker:
         return self._outputs(work, embeds, captured, lambda rows: logits[:n], self._drawn(work, drawn[:n], counters))
 
     def _drawn(self, work: list[Work], drawn: torch.Tensor, counters: list[int]) -> torch.Tensor | None:
-        """The tokens a captured step drew, if they stand for every row's (graph_sampling, graph_drawable)."""
-        if self.graph_sampling and all(graph_drawable(w.seq.owner.params, c) for w, c in zip(work, counters)):
+        """The tokens a captured step drew, if they stand for every row's (graph_sampling, tensor_drawable)."""
+        if self.graph_sampling and all(tensor_drawable(w.seq.owner.params, c, GRAPH_TOP_K) for w, c in zip(work, counters)):
             return drawn
         return None
 
