@@ -106,6 +106,28 @@ def test_tensor_settings_draw_what_sample_batch_draws():
         assert got.tolist() == expected.tolist()
 
 
+def test_tied_logits_draw_the_same_token_whatever_the_candidate_count_or_batch():
+    """bf16 logits tie often, and topk orders ties as its kernel happens to (it differs with k and the batch):
+    a row draws the same token from sample_batch beside rows with other top-ks, from sample_tensors over the
+    graph's CANDIDATES, and from either alone (the case a decode graph's own draw met on the H200)."""
+    from services.llm.sampling import CANDIDATES, sample_tensors
+
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(16, 4096, generator=gen) * 3).to(torch.bfloat16)
+    logits[:, torch.randperm(4096, generator=gen)[:40]] = logits.max(-1, keepdim=True).values  # 40-way ties at the top
+    row = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=i + 1) for i in range(16)]
+    wide = [SamplingParams(temperature=0.7, top_p=0.8, top_k=50, seed=99)]
+    for counter in range(6):
+        c = [counter] * 16
+        alone = sample_batch(logits, row, counters=c).tolist()
+        assert sample_batch(torch.cat([logits, logits[:1]]), row + wide, counters=c + [0])[:16].tolist() == alone
+        assert [sample_batch(logits[i:i + 1], row[i:i + 1], counters=[counter]).item() for i in range(16)] == alone
+        t = lambda values, dtype=None: torch.tensor(values, dtype=dtype)
+        drawn = sample_tensors(logits, t([0.7] * 16), t([20] * 16), t([0.8] * 16), t(list(range(1, 17))), t(c), CANDIDATES)
+        assert drawn.tolist() == alone
+        assert len(set(alone)) > 1 and all(logits[i, tok] == logits[i].max() for i, tok in enumerate(alone))
+
+
 def test_compiled_tensor_settings_draw_what_eager_draws():
     """sample_tensors as `compile: true` runs it in the code predictor (layers.fuse compiles it, shapes dynamic):
     the same tokens as eager for greedy and seeded rows, at two batch sizes."""

@@ -186,20 +186,19 @@ def test_overlapped_decode_gives_the_tokens_of_the_plain_one(tiny_model, referen
 
 
 def test_a_captured_steps_own_draw_stands_for_the_sampler_where_it_can():
-    """A decode graph draws with sample_tensors over its best GRAPH_TOP_K logits: for every row tensor_drawable
+    """A decode graph draws with sample_tensors over its best CANDIDATES logits: for every row tensor_drawable
     admits, the token sample_batch draws (same seeds and counters); rows it refuses are the sampler's alone."""
-    from services.llm.sampling import SamplingParams, sample_batch, sample_tensors, tensor_drawable
-    from services.thinker.engine import GRAPH_TOP_K
+    from services.llm.sampling import CANDIDATES, SamplingParams, sample_batch, sample_tensors, tensor_drawable
 
     def graph_drawable(p, generated):
-        return tensor_drawable(p, generated, GRAPH_TOP_K)
+        return tensor_drawable(p, generated, CANDIDATES)
 
     drawable = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3),
-                SamplingParams(temperature=1.0, top_k=GRAPH_TOP_K, seed=9), SamplingParams(temperature=0.5, top_k=1, seed=2),
+                SamplingParams(temperature=1.0, top_k=CANDIDATES - 1, seed=9), SamplingParams(temperature=0.5, top_k=1, seed=2),
                 SamplingParams(temperature=0.7, top_k=20, min_tokens=4, stop_token_ids=(7,), seed=5)]  # past its minimum
     counters = [0, 12, 3, 40, 4]
     assert all(graph_drawable(p, c) for p, c in zip(drawable, counters))
-    refused = [(SamplingParams(temperature=0.7, top_k=0, seed=1), 0), (SamplingParams(temperature=0.7, top_k=GRAPH_TOP_K + 1), 0),
+    refused = [(SamplingParams(temperature=0.7, top_k=0, seed=1), 0), (SamplingParams(temperature=0.7, top_k=CANDIDATES), 0),
                (SamplingParams(repetition_penalty=1.1), 0), (SamplingParams(min_tokens=4, stop_token_ids=(7,)), 3)]
     assert not any(graph_drawable(p, c) for p, c in refused)
     logits = torch.randn(5, 500, generator=torch.Generator().manual_seed(0)) * 3
@@ -208,5 +207,5 @@ def test_a_captured_steps_own_draw_stands_for_the_sampler_where_it_can():
         expected = sample_batch(logits, drawable, counters=c)
         got = sample_tensors(logits, torch.tensor([p.temperature for p in drawable]), torch.tensor([p.top_k for p in drawable]),
                              torch.tensor([p.top_p for p in drawable]), torch.tensor([p.seed for p in drawable]),
-                             torch.tensor(c), GRAPH_TOP_K)
+                             torch.tensor(c), CANDIDATES)
         assert got.tolist() == expected.tolist(), step

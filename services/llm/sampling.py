@@ -79,6 +79,9 @@ def _padded(histories: list, device) -> torch.Tensor:
     return torch.stack([torch.cat([r, r[:1].expand(longest - len(r))]) for r in rows])
 
 
+CANDIDATES = 64  # the best logits a captured step's own draw chooses among (sample_tensors' k there)
+
+
 def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exponential(1) noise [S, vocab] that depends only on (seed, counter, column): a row's draw is the same
     whatever else shares its batch and on any device, with no generator object and no per-row launch."""
@@ -104,12 +107,13 @@ def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tenso
     return torch.where(temps > 0, _race(probs, order, noise), logits.argmax(-1))
 
 
-def tensor_drawable(p: SamplingParams, generated: int, k: int) -> bool:
+def tensor_drawable(p: SamplingParams, generated: int, k: int = CANDIDATES) -> bool:
     """Whether sample_tensors over the best `k` logits gives this row the token sample_batch gives it: greedy, or
-    a top-k within `k`; no repetition penalty and no stop ids banned for a minimum length (sample_batch's
-    host-side cases). The draws are the same function of (seed, counter) either way."""
+    a top-k below `k` (a tie across rank k, which top-k cuts where its kernel happens to, then reaches back to
+    the row's own cut only through a tie as long as the gap); no repetition penalty and no stop ids banned for
+    a minimum length (sample_batch's host-side cases). The draws are the same function of (seed, counter)."""
     return (p.repetition_penalty == 1.0 and not (generated < p.min_tokens and p.stop_token_ids)
-            and (p.temperature == 0 or 0 < p.top_k <= k))
+            and (p.temperature == 0 or 0 < p.top_k < k))
 
 
 OPS = {"sample_tensors": sample_tensors}  # services.llm.layers.fuse() compiles it: its tens of small kernels become a few
@@ -119,6 +123,12 @@ def _candidates(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, 
     """Each row's best `k` tokens by logit / temperature and the probability of drawing each: zero past the
     row's own top_k and outside the smallest head holding top_p. -> (probs [B, k], token ids [B, k])."""
     scaled, order = (logits / temps[:, None]).topk(k, dim=-1)  # best first: a top-k, not a vocabulary sort
+    # Equal logits are common (bf16) and topk orders them as its kernel happens to, which differs with k, the
+    # batch's shape and the device: ties are put in id order, so a row's candidates (and the rank its noise is
+    # hashed at) are the same wherever it is drawn.
+    order, by_id = order.sort(dim=-1)
+    scaled, rank = scaled.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    order = order.gather(-1, rank)
     scaled = scaled.masked_fill(torch.arange(k, device=logits.device) >= top_k[:, None], float("-inf"))
     probs = scaled.softmax(-1)
     return probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0), order
@@ -174,7 +184,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list 
     floats = upload([[p.temperature for p in picked], [p.top_p for p in picked]], dev, torch.float32)
     rows, top_k, seeds, steps = ints
     temps, top_p = floats
-    k = min(max(p.top_k or vocab for p in picked), vocab)  # only the best max(top_k) can be drawn
+    # Only the best max(top_k) can be drawn; never fewer than CANDIDATES, so rows draw from the candidates a
+    # graph's sample_tensors(k=CANDIDATES) takes (equal logits across rank k are cut where topk happens to).
+    k = min(max(CANDIDATES, *(p.top_k or vocab for p in picked)), vocab)
     probs, order = _candidates(logits[rows], temps, top_k, top_p, k)
     hashed = [j for j, p in enumerate(picked) if p.seed]
     if len(hashed) == len(picked):

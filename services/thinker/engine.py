@@ -14,7 +14,7 @@ from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
 from services.llm import sampling
-from services.llm.sampling import sample_batch, tensor_drawable
+from services.llm.sampling import CANDIDATES, sample_batch, tensor_drawable
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.model.spec import OmniSpec
@@ -24,7 +24,6 @@ from services.thinker.reference import ThinkerSeq, ThinkerStep, stop_reason, val
 
 
 PLACEHOLDER = -1  # a sequence's token drawn by a launched step, not read yet (overlap)
-GRAPH_TOP_K = 64  # the widest top-k a decode graph's own draw covers (its candidates: the best 64 logits)
 
 
 @dataclass
@@ -122,7 +121,7 @@ class NativeThinker:
                 hidden, captured = self.model(embeds, pos.float().expand(3, -1), capture_layer=self.accept_layer)
                 logits = self.model.lm_head(hidden)
             (top_k, seeds, counters), (temps, top_p) = self.decode_draw[0][:, :b], self.decode_draw[1][:, :b]
-            return embeds, captured, logits, draw(logits, temps, top_k, top_p, seeds, counters, GRAPH_TOP_K)
+            return embeds, captured, logits, draw(logits, temps, top_k, top_p, seeds, counters, CANDIDATES)
 
         self.graphs = CapturedGraphs(sizes, body, self.device)
 
@@ -349,7 +348,7 @@ class NativeThinker:
 
     def _drawn(self, work: list[Work], drawn: torch.Tensor, counters: list[int]) -> torch.Tensor | None:
         """The tokens a captured step drew, if they stand for every row's (graph_sampling, tensor_drawable)."""
-        if self.graph_sampling and all(tensor_drawable(w.seq.owner.params, c, GRAPH_TOP_K) for w, c in zip(work, counters)):
+        if self.graph_sampling and all(tensor_drawable(w.seq.owner.params, c, CANDIDATES) for w, c in zip(work, counters)):
             return drawn
         return None
 
