@@ -69,7 +69,7 @@ class PeerPool:
     the producer's GPU does not switch between the two processes' work to serve a read."""
 
     def __init__(self, handle: tensor_pb2.CudaPoolHandle, device: torch.device):
-        self.device = device
+        self.device, self.source = device, torch.device("cuda", handle.device)
         ptr = ctypes.c_void_p()
         raw = _IpcMemHandle.from_buffer_copy(ipc_handle_bytes(handle.handle))
         with torch.cuda.device(device):
@@ -91,8 +91,14 @@ def read_pulled(pool: PeerPool, offset: int, nbytes: int, dtype: torch.dtype, sh
         out = torch.empty(nbytes, dtype=torch.uint8, device=target)
     parts = lane_bounds(nbytes, lanes)
     if ready is not None:
+        # An interprocess event waited for by another GPU's stream crashes the driver (segfault on the H200s):
+        # it is waited for on its own GPU's transport stream, and that stream's own event by this GPU's lanes.
+        relay = torch.cuda.Event()
+        source = _stream(pool.source)
+        source.wait_event(ready)
+        relay.record(source)
         for lane in range(len(parts)):
-            _stream(target, lane).wait_event(ready)
+            _stream(target, lane).wait_event(relay)
     with torch.cuda.device(target):
         for lane, (a, b) in enumerate(parts):
             _check(_cudart().cudaMemcpyAsync(out.data_ptr() + a, pool.base + offset + a, b - a, _MEMCPY_DEFAULT,
