@@ -304,7 +304,9 @@ def preprocess_cells(cfg: MeshConfig, device: str, args):
 def encoder_cells(cfg: MeshConfig, device: str, args):
     from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
 
-    engine = ReferenceEncoder(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
+    ec = cfg.encoder
+    engine = ReferenceEncoder(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
+                              batch=ec.batch, attention=ec.attention)
     for kind, (decode, data) in media_items(cfg, args).items():
         f = decode(data)
         item = Item(kind, torch.from_numpy(f.values), f.grid_thw)
@@ -314,8 +316,8 @@ def encoder_cells(cfg: MeshConfig, device: str, args):
             for j in jobs:
                 engine.add(j)
             seconds, _ = timed(lambda: engine.step(jobs), engine.device)
-            yield {"stage": "encoder", "item": kind, "batch": b, "tokens_per_item": f.num_tokens, "seconds": seconds,
-                   "items_per_s": b / seconds, "step_ms": 1000 * seconds}
+            yield {"stage": "encoder", "item": kind, "batch": b, "batched": ec.batch, "attention": ec.attention,
+                   "tokens_per_item": f.num_tokens, "seconds": seconds, "items_per_s": b / seconds, "step_ms": 1000 * seconds}
 
 
 def code2wav_cells(cfg: MeshConfig, device: str, args):

@@ -25,6 +25,55 @@ def test_batched_towers_equal_one_call_per_item(tiny_model):
     assert [len(e.embeds) for _, enc in many.step(jobs()) for e in enc] == [f.num_tokens for f in feats]
 
 
+def test_varlen_attention_equals_one_sdpa_call_per_item():
+    """The towers' attention over packed items: items of equal length as one batch, unequal ones padded with
+    their padding masked, each equal to SDPA over that item alone; the layout made once per cu_seqlens."""
+    import torch.nn.functional as F
+
+    from services.encoder import attention
+
+    gen = torch.Generator().manual_seed(0)
+    for lengths in ([16, 16, 16], [16, 5, 30, 1], [7]):
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        q, k, v = (torch.randn(1, 4, sum(lengths), 8, generator=gen) for _ in range(3))
+        out, _ = attention.varlen_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, max_length_q=max(lengths))
+        assert out.shape == (1, sum(lengths), 4, 8)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            want = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=0.3).transpose(1, 2)
+            torch.testing.assert_close(out[:, a:b], want, rtol=1e-5, atol=1e-6)
+        if len(set(lengths)) > 1:  # the next layer of the same call lays its items out as this one did
+            layout = attention._layouts.last
+            assert layout[0] is cu
+            attention.varlen_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, max_length_q=max(lengths))
+            assert attention._layouts.last is layout
+    try:
+        attention.varlen_attention(None, q, k, v, scaling=0.3)
+        raise AssertionError("packed items without their boundaries were attended")
+    except ValueError as e:
+        assert "cu_seqlens" in str(e)
+
+
+def test_towers_with_varlen_attention_equal_transformers_sdpa(tiny_model):
+    """encoder.attention: varlen (one SDPA call per layer for all of a call's items, no wait on the device)
+    gives the embeddings and DeepStack features transformers' own SDPA path gives: images of three sizes, a
+    video, clips of three lengths (windows of unequal length), in one batched step and one call per item."""
+    pre = Preprocessor(tiny_model, Limits())
+    feats = [pre.image(png(1, 64, 48)), pre.image(png(2, 64, 48)), pre.image(png(3, 96, 64)), pre.image(png(4, 32, 32)),
+             pre.video([png(5 + i, 64, 64) for i in range(3)], 2.0),
+             pre.audio_file(wav(8, 1.0)), pre.audio_file(wav(9, 2.5)), pre.audio_file(wav(10, 7.0))]
+    items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
+    ref = ReferenceEncoder(tiny_model, attention="sdpa")
+    want = [e for _, enc in ref.step([EncodeJob(items)]) for e in enc]
+    for batch in (True, False):
+        ours = ReferenceEncoder(tiny_model, batch=batch, attention="varlen")
+        got = [e for _, enc in ours.step([EncodeJob(items[:5]), EncodeJob(items[5:])]) for e in enc]
+        for x, y in zip(want, got):
+            torch.testing.assert_close(y.embeds, x.embeds, rtol=1e-5, atol=1e-6)
+            assert len(x.deepstack) == len(y.deepstack)
+            for dx, dy in zip(x.deepstack, y.deepstack):
+                torch.testing.assert_close(dy, dx, rtol=1e-5, atol=1e-6)
+
+
 def test_pixels_normalised_where_the_encoder_runs_equal_the_processors(tiny_model):
     """Preprocessing hands on the resized image's bytes (uint8 patches, a quarter of float32's); the encoder's
     normalisation gives the floats transformers' image processor gives, to float32 rounding."""

@@ -1,10 +1,12 @@
-"""The reference encoder engine: transformers' own vision and audio towers, one media item per forward."""
+"""The reference encoder engine: transformers' own vision and audio towers, one call per media item or one per
+step for all of them (`batch`), attending through transformers' SDPA path or ours (`attention: varlen`)."""
 
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from services.encoder.attention import use_varlen_attention
 from services.model.load import load_component
 from services.model.spec import audio_tokens
 from services.preprocess.media import LogMel, PixelNorm
@@ -40,10 +42,15 @@ class ReferenceEncoder:
     request the step holds (the towers attend within each item); without, one call per item."""
 
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                 seed: int = 0, batch: bool = False):
+                 seed: int = 0, batch: bool = False, attention: str = "sdpa"):
         self.device, self.dtype, self.batch = torch.device(device), dtype, batch
         self.vision = load_component("vision", model_dir, device, dtype, load_format, seed)
         self.audio = load_component("audio", model_dir, device, dtype, load_format, seed)
+        if attention == "varlen":
+            use_varlen_attention(self.vision)
+            use_varlen_attention(self.audio)
+        elif attention != "sdpa":
+            raise ValueError(f"encoder attention must be varlen or sdpa, not {attention!r}")
         vc = self.vision.config
         self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         self.mel_bins = self.audio.config.num_mel_bins

@@ -141,6 +141,9 @@ class EncoderConfig(EngineStageConfig):
     engine: Literal["reference"] = "reference"
     # Encode every item a step holds in one call per tower (off: one call per item).
     batch: bool = False
+    # The towers' attention: varlen, every item of a call in one SDPA call per layer with no wait on the device
+    # (services/encoder/attention.py); sdpa, transformers' own, one call per item after a wait in every layer.
+    attention: Literal["varlen", "sdpa"] = "varlen"
 
 
 @dataclass

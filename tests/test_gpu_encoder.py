@@ -1,0 +1,43 @@
+"""The encoder's towers at full size on one GPU (seeded random weights, bf16): our varlen attention against
+transformers' own SDPA path, on the benchmark's media."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_full_size_towers_with_varlen_attention_track_transformers_sdpa(tmp_path):
+    """Two 512x512 images, a 256x256 one (unequal items: the padded path), 7 s and 3 s clips, one batched step
+    with encoder.attention varlen against one SDPA call per item: every embedding within bf16's rounding. The
+    time of each prints (the A/B's first figure; bench.stages --stages encoder gives the rest)."""
+    from bench.workloads import image_png
+    from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
+    from services.model.build import build_full_skeleton
+    from services.preprocess.media import Preprocessor
+    from services.runtime.config import Limits
+
+    model_dir = build_full_skeleton(tmp_path / "model")
+    pre = Preprocessor(model_dir, Limits())
+    pcm = (np.random.default_rng(0).standard_normal(16000 * 7) * 0.1).astype(np.float32)
+    feats = [pre.image(image_png(s, n)) for s, n in ((0, 512), (1, 512), (2, 256))]
+    feats += [pre._audio(pcm[:n], 16000, "audio") for n in (16000 * 7, 16000 * 3)]
+    items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
+    engines = {a: ReferenceEncoder(model_dir, "cuda:0", torch.bfloat16, "random", 0, batch=a == "varlen", attention=a)
+               for a in ("sdpa", "varlen")}
+    out = {}
+    for name, engine in engines.items():
+        engine.step([EncodeJob(items)])  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out[name] = [e for _, enc in engine.step([EncodeJob(items)]) for e in enc]
+        torch.cuda.synchronize()
+        print(f"{name}: {1000 * (time.perf_counter() - t0):.1f} ms for {len(items)} items")
+    for f, x, y in zip(feats, out["sdpa"], out["varlen"]):
+        assert x.embeds.shape == y.embeds.shape == (f.num_tokens, x.embeds.shape[1])
+        for a, b in zip([x.embeds] + x.deepstack, [y.embeds] + y.deepstack):
+            rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
+            assert rel < 2e-2, (f.kind, rel)
