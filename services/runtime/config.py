@@ -188,7 +188,7 @@ class ThinkerConfig(LMStageConfig):
     # before. A token then reaches its request one step later, and a sequence that stops on EOS computes one
     # step more, discarded. Steps with repetition penalties or minimum lengths never overlap.
     overlap: bool = False
-    # Captured decode steps draw their tokens inside the graph (temperature, top-p, top-k up to 64, seeded
+    # Captured decode steps draw their tokens inside the graph (temperature, top-p, top-k below 64, seeded
     # noise: what the sampler gives, without its thirty-odd launches a step); rows with a repetition penalty,
     # a minimum length or a wider top-k draw after the graph. Off: every step draws after it.
     graph_sampling: bool = True
