@@ -166,6 +166,45 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     assert overlapped == plain
 
 
+def test_overlapped_steps_hand_speech_states_from_host_memory(pair):
+    """thinker.host_states: an overlapped step copies its speech rows' states (input embedding, accept layer)
+    to pinned host memory with its tokens. Against the same requests with device copies: every position's
+    states equal bit for bit, decode rows on the host with no event to wait for, the tokens unchanged."""
+    engine, hf = pair
+    vocab = hf.lm_head.weight.shape[0]
+
+    def run(host: bool):
+        engine.overlap, engine.host_states = True, host
+        gen = torch.Generator().manual_seed(11)
+        seqs = [seq(f"h{i}", torch.randint(0, vocab, (n,), generator=gen), 24) for i, n in enumerate((20, 35, 50))]
+        seqs[1].return_states = seqs[2].return_states = True
+        rows = {id(s): [] for s in seqs}
+        for s in seqs:
+            engine.add(s)
+        try:
+            while not all(s.done for s in seqs):
+                for s, step in engine.step(seqs):
+                    if step.embeds is not None:
+                        rows[id(s)].append((step.state_start, step.embeds.cpu(), step.hidden.cpu(),
+                                            step.embeds.is_cuda, step.ready))
+            assert engine.pending is None
+        finally:
+            for s in seqs:
+                engine.free(s)
+            engine.overlap, engine.host_states = False, False
+        return [s.generated for s in seqs], [rows[id(s)] for s in seqs]
+
+    (tokens_dev, dev), (tokens_host, host) = run(False), run(True)
+    assert tokens_host == tokens_dev and not dev[0] and not host[0]  # the text-only request sends none
+    for d_rows, h_rows in zip(dev[1:], host[1:]):
+        assert [r[0] for r in h_rows] == [r[0] for r in d_rows] and len(h_rows) >= 20
+        for (start, e_d, h_d, _, _), (_, e_h, h_h, on_gpu, ready) in zip(d_rows, h_rows):
+            assert torch.equal(e_h, e_d) and torch.equal(h_h, h_d), start
+            if len(e_h) == 1 and start > 0:  # a decode row: from an overlapped step
+                assert not on_gpu and ready is None
+        assert sum(not r[3] for r in h_rows) >= 20  # most rows came through the host
+
+
 def test_tokens_drawn_inside_the_decode_graph_equal_the_samplers(pair):
     """thinker.graph_sampling: a captured step's own draw (greedy and seeded top-k/top-p rows) gives the tokens
     the sampler gives after the graph, plain and overlapped; a row the graph cannot draw for (a repetition

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8]
 SHAPES = [(1,), (7,), (3, 5), (256, 2048), (2, 3, 4), (1000, 33)]
-CFG = TransportConfig(cuda_pool_bytes=256 << 20, max_slots=512, reclaim_after_s=60.0)
+CFG = TransportConfig(cuda_pool_bytes=256 << 20, max_slots=512, reclaim_after_s=60.0, inline_bytes=0)  # host tensors: shm
 IN_FLIGHT = 64  # refs a test producer has out at once (of CFG's 512 slots and 256 MB)
 QUICK_RECLAIM = TransportConfig(cuda_pool_bytes=64 << 20, max_slots=64, reclaim_after_s=3.0)
 

@@ -24,7 +24,7 @@ def make(dtype, shape, seed=0):
 
 @pytest.fixture
 def pair():
-    cfg = TransportConfig(pool_bytes=1 << 20, max_slots=64, reclaim_after_s=1.0)
+    cfg = TransportConfig(pool_bytes=1 << 20, max_slots=64, reclaim_after_s=1.0, inline_bytes=0)  # shm for every size
     producer, consumer = Transport(cfg, "testprod", "local"), Transport(cfg, "testcons", "local")
     yield producer, consumer
     producer.close()
@@ -72,7 +72,7 @@ def _die_holding(ref_bytes: bytes, ready) -> None:
 
 def test_a_killed_consumer_leaves_no_slot_held():
     reclaim = 8.0
-    producer = Transport(TransportConfig(pool_bytes=1 << 20, reclaim_after_s=reclaim), "killtest", "local")
+    producer = Transport(TransportConfig(pool_bytes=1 << 20, reclaim_after_s=reclaim, inline_bytes=0), "killtest", "local")
     t0 = time.monotonic()
     ref = producer.put(make(torch.float32, (1000,)), HERE)
     ctx = mp.get_context("spawn")
@@ -89,7 +89,7 @@ def test_a_killed_consumer_leaves_no_slot_held():
 
 
 def test_a_full_pool_falls_back_to_inline_without_corruption():
-    cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60)
+    cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60, inline_bytes=0)
     producer, consumer = Transport(cfg, "small", "local"), Transport(cfg, "smallc", "local")
     try:
         before = metrics.SHM_FALLBACKS.labels("shm")._value.get()
@@ -109,8 +109,26 @@ def test_a_full_pool_falls_back_to_inline_without_corruption():
 def test_shm_off_or_unknown_domain_goes_inline():
     off = Transport(TransportConfig(shm=False), "off", "local")
     assert off.put(torch.ones(3), HERE).WhichOneof("location") == "inline_data"
-    on = Transport(TransportConfig(), "on", "local")
+    on = Transport(TransportConfig(inline_bytes=0), "on", "local")
     assert on.put(torch.ones(3), tensor_pb2.Placement()).WhichOneof("location") == "inline_data"
+
+
+def test_small_host_tensors_go_inside_the_message():
+    """Host tensors of at most transport.inline_bytes go inline even where shared memory reaches (a speech
+    request's states for one token by default: [2, 1, 2048] bf16, 8 KB); larger ones take a slot."""
+    producer = Transport(TransportConfig(inline_bytes=1024), "small-in", "local")
+    consumer = Transport(TransportConfig(), "small-c", "local")
+    try:
+        small, large = make(torch.float32, (256,), 1), make(torch.float32, (257,), 2)
+        refs = [producer.put(small, HERE), producer.put(large, HERE)]
+        assert [r.WhichOneof("location") for r in refs] == ["inline_data", "shm"]
+        assert torch.equal(consumer.get(refs[0]), small) and torch.equal(consumer.get(refs[1]), large)
+        state = [make(torch.bfloat16, (1, 2048), 3), make(torch.bfloat16, (1, 2048), 4)]
+        default = Transport(TransportConfig(), "small-d", "local")
+        assert default.put(state, HERE).WhichOneof("location") == "inline_data"
+        default.close()
+    finally:
+        producer.close()
 
 
 def test_malformed_refs_are_refused(pair):
@@ -156,7 +174,7 @@ def test_reads_from_another_gpu_split_into_aligned_lanes():
 def test_a_put_that_finds_no_room_frees_what_consumers_released_first():
     """Puts sweep their pool at most every SWEEP_EVERY_S; one that finds no room sweeps at once, so a slot a
     consumer just released serves it, and the gauges follow the pool."""
-    cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60)
+    cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60, inline_bytes=0)
     producer, consumer = Transport(cfg, "roomy", "local"), Transport(cfg, "roomyc", "local")
     try:
         tensors = [make(torch.float32, (300,), i) for i in range(4)]

@@ -94,6 +94,9 @@ class TransportConfig:
     # A GPU put returns once its copy is queued, not done: the ref carries an interprocess CUDA event recorded
     # after the copy, and the consumer's copy waits for it on the device (off: the put waits on the host).
     ipc_events: bool = False
+    # A tensor in host memory of at most this many bytes goes inside the message (a speech request's states
+    # for one token, 8 KB), not through a shared-memory slot: no slot to take, write, read and give back.
+    inline_bytes: int = 16384
 
 
 @dataclass
@@ -192,10 +195,15 @@ class ThinkerConfig(LMStageConfig):
     # noise: what the sampler gives, without its thirty-odd launches a step); rows with a repetition penalty,
     # a minimum length or a wider top-k draw after the graph. Off: every step draws after it.
     graph_sampling: bool = True
+    # Overlapped decode steps copy their speech requests' states (input embedding, accept layer: 8 KB a token)
+    # to host memory beside their tokens, so they go to the talker inside the message, not as one CUDA IPC
+    # transfer per request and token (a put here, a read there: host time on both sides at every token).
+    host_states: bool = True
 
     @property
     def native_args(self) -> dict:
-        return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling}
+        return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
+                "host_states": self.host_states}
 
 
 @dataclass

@@ -235,7 +235,7 @@ class Transport:
         """A ref to `tensor` for a consumer at `placement`; a list of tensors of one shape and dtype goes as
         their stack (one ref, one copy each into one slot: not stacked first). A CUDA tensor is read once it is
         complete: after `ready` (a CUDA event recorded after its producer), else after everything queued on
-        the current stream."""
+        the current stream. A host tensor of at most `inline_bytes` goes inside the message."""
         stacked = isinstance(tensor, (list, tuple))
         parts = [t.detach() for t in tensor] if stacked else [tensor.detach()]
         first = parts[0] if parts else None
@@ -245,7 +245,8 @@ class Transport:
             raise TypeError(f"unsupported dtype {first.dtype}")
         ref = tensor_pb2.TensorRef(dtype=DTYPES[first.dtype], shape=[len(parts), *first.shape] if stacked else list(first.shape))
         nbytes = len(parts) * first.numel() * first.element_size()
-        same_host = bool(nbytes and self.shm_domain and placement is not None and placement.shm_domain == self.shm_domain)
+        same_host = bool(nbytes > (0 if first.is_cuda else self.cfg.inline_bytes) and self.shm_domain
+                         and placement is not None and placement.shm_domain == self.shm_domain)
         if same_host and first.is_cuda and placement.cuda and self.cfg.cuda_ipc:
             pool = self.cuda_pool(first.device)
             slot = pool.put(parts, ready)

@@ -53,7 +53,10 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                         raise InvalidArgument(f"thinker states out of order: position {s.start}, expected {expected}")
                     if len(s.states.shape) != 3 or s.states.shape[0] != 2:
                         raise InvalidArgument(f"thinker states of shape {list(s.states.shape)}: expected [2, rows, hidden]")
-                    both = self.transport.get(s.states, self.engine.device)
+                    # States in the message (or shared memory) stay on the host here; the engine uploads them
+                    # without waiting on its device. A CUDA IPC ref is read to the device: it lives there already.
+                    where = self.engine.device if s.states.WhichOneof("location") == "cuda" else "cpu"
+                    both = self.transport.get(s.states, where)
                     expected += both.shape[1]
                     seq.inbox.append((both[0], both[1]))
                 elif msg.HasField("end"):

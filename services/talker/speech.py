@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from services.llm.host import upload_into
+from services.llm.host import upload, upload_into
 from services.llm.mrope import Layout, mrope_positions, tokens_from_config
 from services.llm.sampling import SamplingParams
 from services.model.load import load_component
@@ -232,9 +232,16 @@ class SpeechEngine:
     def _ingest(self, seq: TalkerSeq) -> None:
         while seq.inbox:
             embeds, hidden = seq.inbox.popleft()
-            seq.embeds.append(embeds.to(self.device, self.dtype))
-            seq.hidden.append(hidden.to(self.device, self.dtype))
+            seq.embeds.append(self._to_device(embeds))
+            seq.hidden.append(self._to_device(hidden))
             seq.n_states += len(embeds)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A state on this engine's device: from the host through pinned memory, queued without waiting (a
+        copy from pageable memory would wait for every step this thread has queued)."""
+        if t.device == self.device or self.device.type != "cuda":
+            return t.to(self.device, self.dtype)
+        return upload(t, self.device, self.dtype)
 
     def _trailing_known(self, seq: TalkerSeq) -> bool:
         # Frame t adds the text of position L + 1 + t (or tts_eos / tts_pad once the text has run out).

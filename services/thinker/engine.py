@@ -49,6 +49,13 @@ def _accept(seq: ThinkerSeq, step: ThinkerStep, token: int) -> ThinkerStep:
     return step
 
 
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in pinned host memory, copied once the queue reaches this (read after a later event)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
 @dataclass(eq=False)
 class ThinkerState(SeqState):
     states_sent: int = 0  # positions whose states went out (a recomputed sequence does not send them twice)
@@ -59,9 +66,10 @@ class NativeThinker:
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
                  max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", fp8_activations: bool = False,
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
-                 graph_sampling: bool = True):
+                 graph_sampling: bool = True, host_states: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
+        self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
         self.overlapped = 0  # steps launched before the previous one's tokens were read
         if compile:
@@ -251,8 +259,10 @@ class NativeThinker:
         if self._graphable(work):
             embeds, captured, logits, drawn = self._replay(work, ids, counters, planned)
             logits, drawn = logits[:n], self._drawn(work, drawn[:n], counters)
-            if any(send):  # the next replay overwrites them
-                states = embeds[:n].clone(), captured[:n].clone()
+            if any(send):  # the next replay overwrites them: copied out (to the host below, or here)
+                states = embeds[:n], captured[:n]
+                if not (self.host_states and embeds.is_cuda):
+                    states = tuple(t.clone() for t in states)
         else:
             positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
             attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
@@ -270,6 +280,8 @@ class NativeThinker:
         if tokens.is_cuda:  # to the host without waiting: read when the next step has been launched
             host = torch.empty(n, dtype=torch.long, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
+            if states is not None and self.host_states:  # with them, the speech rows' states (host_states)
+                states = tuple(_pinned_copy(t) for t in states)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         for w, sent in zip(work, send):
@@ -305,7 +317,8 @@ class NativeThinker:
             step = ThinkerStep(token_ids=[])
             if p.send[row]:
                 step.state_start, step.embeds, step.hidden = w.start, p.states[0][row:row + 1], p.states[1][row:row + 1]
-            step.ready = p.event if step.embeds is not None else None  # its states were copied before the event
+            # States on the device were copied before the event; on the host they are complete already (read after it).
+            step.ready = p.event if step.embeds is not None and step.embeds.is_cuda else None
             out.append((seq, _accept(seq, step, token)))
         return out
 
