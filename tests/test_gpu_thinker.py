@@ -230,6 +230,41 @@ def test_tokens_drawn_inside_the_decode_graph_equal_the_samplers(pair):
     assert run(True, False, penalty=True) == run(False, False, penalty=True)  # the penalised row's tokens too
 
 
+def test_sorted_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
+    """moe: triton_sorted: one full-size MoE layer fed a real prefill's activations (600 tokens, and 100: past
+    the decode kernels' 64), bf16 and fp8 per channel, against the grouped GEMM on the same weights; replayed
+    in a graph as run eagerly (its rows grouped on the device: nothing asks the host)."""
+    from services.llm.context import step_context
+    from services.llm.fp8 import Fp8Experts
+
+    engine, hf = pair
+    layer = engine.model.model.layers[10].mlp
+    x = mlp_inputs(engine, hf, layer, 600, seed=4)
+    probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)
+    w, top = torch.topk(probs, 8, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+    fp8 = Fp8Experts(layer.experts, None)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    with torch.no_grad():
+        for n in (600, 100):
+            for experts in (layer.experts, fp8):
+                with step_context(None, "grouped"):
+                    ref = experts(x[:n], top[:n], w[:n])
+                with step_context(None, "triton_sorted"):
+                    got = experts(x[:n], top[:n], w[:n])
+                print(f"sorted vs grouped, {n} tokens, {type(experts).__name__}: {rel(got, ref):.5f}")
+                assert rel(got, ref) < 1e-2, (n, type(experts).__name__)
+        static = x[:100].clone()
+        with step_context(None, "triton_sorted"):
+            layer.experts(static, top[:100], w[:100])  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = layer.experts(static, top[:100], w[:100])
+            eager = layer.experts(static, top[:100], w[:100]).clone()
+        graph.replay()
+    assert torch.equal(captured, eager)
+
+
 def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
     """One full-size MoE layer fed the activations a real prefill gives it: fp8 (per-channel weights, per-token
     activations, torch._scaled_grouped_mm) against the bf16 grouped GEMM, and against the fp8 reference loop."""

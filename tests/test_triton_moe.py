@@ -56,6 +56,19 @@ for t in (1, 5, 17, 40):  # one token; under one tile of rows; over it; a second
         ref = a8_loop(x, ids, w, fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
         got = triton_moe.experts(x, ids, w, gq, dq, gs, ds, block, fp8_activations=True)
         out[f"fp8-{block or 'channel'}-a8/{t}"] = rel(got, ref)
+for t in (5, 40, 70):  # the sorted kernels (a prefill's): under one block of rows, over it, past MAX_TOKENS' share
+    x = torch.randn(t, H).to(torch.bfloat16)
+    w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+    ref = moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float())
+    residual = torch.randn(t, H).to(torch.bfloat16)
+    out[f"sorted-bf16/{t}"] = rel(triton_moe.experts_sorted(x, ids, w, gate_up, down, residual=residual), ref + residual.float())
+    (gq, gs), (dq, ds) = fp8.quantize(gate_up, None), fp8.quantize(down, None)
+    ref = moe.loop(x.float(), ids, w.float(), fp8.dequantize(gq, gs, None), fp8.dequantize(dq, ds, None))
+    out[f"sorted-fp8-channel/{t}"] = rel(triton_moe.experts_sorted(x, ids, w, gq, dq, gs, ds), ref)
 for t, k, norm in ((1, 8, True), (7, 6, False), (40, 8, True)):  # the thinker's top-8 and the talker's top-6
     x = torch.randn(t, H).to(torch.bfloat16)
     gate = (torch.randn(128, H) * 0.05).to(torch.bfloat16)
@@ -82,7 +95,7 @@ def test_triton_experts_equal_the_loop_over_experts():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
-    assert len(out) == 24 and len(routes) == 3
+    assert len(out) == 30 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out
     # e4m3 activations: each projection alone matches to float32 rounding, but a bf16 rounding of silu(gate) * up
@@ -91,6 +104,36 @@ def test_triton_experts_equal_the_loop_over_experts():
     for name, r in routes.items():
         assert r["distinct"] and r["a_top_k"] and r["dtypes"] == ["torch.int64", "torch.bfloat16"], (name, r)
         assert r["weights"] <= 2 ** -7, (name, r)  # bf16 roundings of (near) equal weights
+
+
+def test_align_groups_routed_rows_by_expert_in_padded_blocks():
+    """triton_moe.align (plain torch, on the device in the engine): every routed row once, grouped by expert in
+    row order, each group padded with the sentinel to whole blocks; each block names its expert, the blocks
+    past the groups' own name none; sizes from the token count alone."""
+    import torch
+
+    from services.llm import triton_moe
+
+    experts, k, block = 8, 3, 4
+    for t in (1, 6, 13):
+        ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(s))[:k] for s in range(t)])
+        rows, block_expert = triton_moe.align(ids, experts, block)
+        r = t * k
+        assert rows.numel() == block_expert.numel() * block and block_expert.numel() == -(-r // block) + experts
+        flat = ids.reshape(-1)
+        got = rows.tolist()
+        assert sorted(x for x in got if x < r) == list(range(r))  # each routed row once
+        for b, e in enumerate(block_expert.tolist()):
+            chunk = got[b * block:(b + 1) * block]
+            if e == experts:
+                assert all(x == r for x in chunk)
+                continue
+            real = [x for x in chunk if x < r]
+            assert real and all(flat[x] == e for x in real) and real == sorted(real)
+            assert chunk[:len(real)] == real  # the padding after the rows
+        groups = [e for e in block_expert.tolist() if e < experts]
+        assert groups == sorted(groups) and set(groups) == set(flat.tolist())
+        assert sum(-(-int((flat == e).sum()) // block) for e in range(experts)) == len(groups)
 
 
 def test_a_wrong_tile_size_is_refused():

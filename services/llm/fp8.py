@@ -12,7 +12,7 @@ from torch import nn
 from services.llm import triton_moe
 from services.llm.context import get_context
 from services.llm.layers import Experts
-from services.llm.moe import by_expert, combine, moe_experts
+from services.llm.moe import TRITON, by_expert, combine, moe_experts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -91,12 +91,16 @@ class Fp8Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         backend = get_context().moe_backend
-        if x.is_cuda and backend == "triton" and x.shape[0] <= triton_moe.MAX_TOKENS:
+        if x.is_cuda and backend in TRITON and x.shape[0] <= triton_moe.MAX_TOKENS:
             return triton_moe.experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
                                       self.down_proj_scale, self.block, residual, self.activations)
-        if x.is_cuda and backend in ("grouped", "triton") and self.block is None:
+        if (x.is_cuda and backend == "triton_sorted" and self.block is None and not self.activations
+                and x.shape[0] <= triton_moe.SORTED_MAX_TOKENS):
+            return triton_moe.experts_sorted(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
+                                             self.down_proj_scale, residual)
+        if x.is_cuda and backend in ("grouped", *TRITON) and self.block is None:
             out = self.grouped(x, ids, weights)
-        elif x.is_cuda and backend == "triton":  # a long step (prefill): every expert's tiles dequantised once, bf16 grouped GEMM
+        elif x.is_cuda and backend in TRITON:  # a long step (prefill): every expert's tiles dequantised once, bf16 grouped GEMM
             gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, self.block, x.dtype)
             down = dequantize(self.down_proj, self.down_proj_scale, self.block, x.dtype)
             out = moe_experts(x, ids, weights, gate_up, down, "grouped")

@@ -1,6 +1,7 @@
 """Routed experts of a MoE layer, three ways: the loop over experts that transformers runs (the reference,
 in its order of summation), a grouped GEMM over tokens sorted by expert (one launch per projection), and
-for the few tokens of a decode step Triton kernels that stream each touched expert once (triton_moe.py)."""
+for the few tokens of a decode step Triton kernels that stream each touched expert once (triton_moe.py;
+with `triton_sorted`, longer steps too, their rows grouped by expert first)."""
 
 import torch
 import torch.nn.functional as F
@@ -8,12 +9,17 @@ import torch.nn.functional as F
 from services.llm import triton_moe
 
 
+TRITON = ("triton", "triton_sorted")  # backends whose decode-sized steps run the Triton kernels
+
+
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 backend: str = "loop", residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H], plus `residual` if given."""
-    if backend == "triton" and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
+    if backend in TRITON and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
         return triton_moe.experts(x, ids, weights, gate_up, down, residual=residual)
-    if backend in ("grouped", "triton"):  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
+    if backend == "triton_sorted" and x.is_cuda and x.shape[0] <= triton_moe.SORTED_MAX_TOKENS:
+        return triton_moe.experts_sorted(x, ids, weights, gate_up, down, residual=residual)
+    if backend in ("grouped", *TRITON):  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
         out = (OPS["grouped"] if x.dtype == torch.bfloat16 else grouped)(x, ids, weights, gate_up, down)
     else:
         out = loop(x, ids, weights, gate_up, down)
@@ -22,7 +28,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
 
 def capturable(backend: str, fp8_experts: str = "off") -> bool:
     """Whether a decode step's experts run without asking the device for sizes, so a CUDA graph can hold them."""
-    return backend == "triton" or (backend == "grouped" and fp8_experts != "block")
+    return backend in TRITON or (backend == "grouped" and fp8_experts != "block")
 
 
 def loop(x, ids, weights, gate_up, down):

@@ -34,8 +34,10 @@ except ImportError:  # CPU installs without triton: the grouped GEMM and the loo
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 # Steps of up to this many tokens run these kernels with `moe: triton`; longer ones (prefill) the grouped GEMM,
-# which catches up once every expert has many rows (bench/results/moe-1xh200.json: a tie at 128 tokens).
+# which catches up once every expert has many rows (bench/results/moe-1xh200.json: a tie at 128 tokens), or with
+# `moe: triton_sorted` the sorted kernels (`experts_sorted`) up to SORTED_MAX_TOKENS, the grouped GEMM beyond.
 MAX_TOKENS = 64
+SORTED_MAX_TOKENS = 4096
 ROUTE_BLOCK, COMBINE_BLOCK = 128, 128  # hidden columns per step of the routing loop, per combining program
 
 
@@ -201,6 +203,69 @@ if triton is not None:
         tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _sorted_gate_up_kernel(x_ptr, w_ptr, s_ptr, rows_ptr, block_expert_ptr, out_ptr, R, E, H: tl.constexpr,
+                               I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_we, stride_wn, stride_se,
+                               stride_out, SCALE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_gate_up_kernel for a longer step: the program's rows come from `align` (BLOCK_M of one expert's routed
+        rows, the sentinel R past its last), not from a scan of every routed id."""
+        b = tl.program_id(0)
+        e = tl.load(block_expert_ptr + b)
+        if e < E:
+            rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+            m_mask = rows < R
+            tok = rows // K_ROUTED
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+            g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+            u_ptrs = g_ptrs + I * stride_wn
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, H, BLOCK_K):
+                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
+                acc_g = tl.dot(a, tl.trans(tl.load(g_ptrs).to(DOT)), acc_g)
+                acc_u = tl.dot(a, tl.trans(tl.load(u_ptrs).to(DOT)), acc_u)
+                a_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
+            if SCALE == 1:
+                acc_g *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
+                acc_u *= tl.load(s_ptr + e * stride_se + I + offs_n)[None, :]
+            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None])
+
+    @triton.jit
+    def _sorted_down_kernel(a_ptr, w_ptr, s_ptr, rows_ptr, block_expert_ptr, route_w_ptr, out_ptr, R, E,
+                            I: tl.constexpr, stride_a, stride_we, stride_wn, stride_se, stride_out, SCALE: tl.constexpr,
+                            DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_down_kernel for a longer step, its rows from `align`."""
+        b = tl.program_id(0)
+        e = tl.load(block_expert_ptr + b)
+        if e < E:
+            rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+            m_mask = rows < R
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+            w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, I, BLOCK_K):
+                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
+                acc = tl.dot(a, tl.trans(tl.load(w_ptrs).to(DOT)), acc)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            if SCALE == 1:
+                acc *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
+            acc *= tl.load(route_w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None])
+
+
 # Tile shapes by token count. Measured on an H200 (bench/moe.py --tiles, bench/results/moe-1xh200-tiles.json):
 # at 1 and 32 tokens the best eight bf16 shapes lie within 3% of each other, so one narrow shape serves decode.
 # fp8 reads half the bytes per tile with the same shapes; wider K tiles for it are not measured yet.
@@ -255,6 +320,70 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
         _down_kernel[(n_exp * m_blocks, h // bn)](
             act, down, sd, flat_ids, weights.reshape(-1).contiguous(), y, r, i, act.stride(0), down.stride(0),
             down.stride(1), sd.stride(0), sd_n, y.stride(0), **common)
+        out = torch.empty(t, h, device=x.device, dtype=x.dtype)
+        res = residual.contiguous() if residual is not None else out  # unread without HAS_RES
+        _combine_kernel[(t, h // COMBINE_BLOCK)](y, res, out, h, k, residual is not None, BLOCK_H=COMBINE_BLOCK)
+    return out
+
+
+def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed rows of `ids` [T, k] (token * k + slot) grouped by expert in row order, each group padded to
+    a multiple of `block_m` with the sentinel T * k -> (rows [blocks * block_m] int32, each block's expert
+    [blocks] int32, `experts` past the last). Made on the device in sizes that depend on T alone
+    (cdiv(T * k, block_m) + experts blocks bound the groups' own), so nothing waits on the device for them."""
+    flat = ids.reshape(-1)
+    r, dev = flat.numel(), ids.device
+    onehot = torch.nn.functional.one_hot(flat, experts).to(torch.int32)  # [R, E]
+    counts = onehot.sum(0)
+    rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # each row's place within its expert's group
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    blocks = -(-r // block_m) + experts
+    rows = torch.full((blocks * block_m,), r, dtype=torch.int32, device=dev)
+    rows.scatter_(0, (starts[flat] + rank).long(), torch.arange(r, dtype=torch.int32, device=dev))
+    block_expert = torch.bucketize(torch.arange(blocks, device=dev) * block_m, ends, right=True).to(torch.int32)
+    return rows, block_expert
+
+
+SORTED_TILES = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # not yet tuned on an H200
+
+
+def experts_sorted(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`experts` for a step of more tokens than MAX_TOKENS (a prefill): the routed rows grouped by expert first
+    (`align`, on the device), so each program takes BLOCK_M rows of one expert without scanning every routed
+    id, and streams that slice of the expert's weights once for all of them. bf16 weights, or fp8 scaled per
+    output channel (`*_scale` [E, N]); the same combining kernel as `experts`."""
+    if triton is None:
+        raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
+    t, k = ids.shape
+    n_exp, two_i, h = gate_up.shape
+    i = two_i // 2
+    if (gate_up_scale is None) != (down_scale is None) or (gate_up_scale is not None and gate_up_scale.dim() != 2):
+        raise ValueError("the sorted experts read bf16 weights, or fp8 ones with per-channel scales [E, N]")
+    cfg = SORTED_TILES
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if h % bk or i % bk or i % bn or h % bn or h % COMBINE_BLOCK:
+        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
+    x, r = x.contiguous(), t * k
+    rows, block_expert = align(ids, n_exp, bm)
+    blocks = block_expert.numel()
+    dot = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+    act = torch.empty(r, i, device=x.device, dtype=x.dtype)
+    y = torch.empty(r, h, device=x.device, dtype=torch.float32)
+    scale = SCALE_NONE if gate_up_scale is None else SCALE_CHANNEL
+    su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
+    sd = down_scale if down_scale is not None else act
+    common = dict(SCALE=scale, DOT=dot, **cfg)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _sorted_gate_up_kernel[(blocks, i // bn)](
+            x, gate_up, su, rows, block_expert, act, r, n_exp, h, i, k, x.stride(0), gate_up.stride(0),
+            gate_up.stride(1), su.stride(0), act.stride(0), **common)
+        _sorted_down_kernel[(blocks, h // bn)](
+            act, down, sd, rows, block_expert, weights.reshape(-1).contiguous(), y, r, n_exp, i, act.stride(0),
+            down.stride(0), down.stride(1), sd.stride(0), y.stride(0), **common)
         out = torch.empty(t, h, device=x.device, dtype=x.dtype)
         res = residual.contiguous() if residual is not None else out  # unread without HAS_RES
         _combine_kernel[(t, h // COMBINE_BLOCK)](y, res, out, h, k, residual is not None, BLOCK_H=COMBINE_BLOCK)
