@@ -257,10 +257,14 @@ def talker_cells(cfg: MeshConfig, device: str, args):
         if not hasattr(engine, "overlap"):
             raise SystemExit(f"--talker-modes {mode}: the {cfg.talker.engine} talker has no such switches")
         base, inline = mode.removesuffix("-c2w-inline"), mode.endswith("-c2w-inline")
+        base, graph_draw = base.removesuffix("-graph-draw"), base.endswith("-graph-draw")
         if base not in ("plain", "overlap"):
             raise SystemExit(f"unknown talker mode {mode!r}")
+        if graph_draw and not getattr(engine, "draws_captured", False):
+            raise SystemExit(f"--talker-modes {mode}: the talker's graphs hold no draw (--set talker.graph_sampling=true)")
         engine.overlap = base == "overlap"
         engine.vocode_stream = None if inline else stream
+        engine.graph_sampling = graph_draw
 
     warm = batch(1, 3)
     run(warm)
@@ -387,7 +391,9 @@ def parse_args(argv=None):
                         "an -eager-draw suffix draws tokens after the graph (thinker.graph_sampling off)")
     p.add_argument("--talker-modes", default="config",
                    help="native talker, each batch under each mode on one engine (one build, one capture): config, "
-                        "plain, overlap; a -c2w-inline suffix waits for code2wav in the frame loop (no side stream)")
+                        "plain, overlap; a -graph-draw suffix draws first codes in the captured step (built with "
+                        "talker.graph_sampling on; the modes without it draw after the graph), "
+                        "a -c2w-inline one waits for code2wav in the frame loop (no side stream)")
     p.add_argument("--encoder-batches", type=ints, default=[1, 8, 32])
     p.add_argument("--code2wav-dtypes", default="bfloat16", help="code2wav stage: precisions held to float32 (float32 always runs)")
     p.add_argument("--preprocess-items", type=int, default=8)

@@ -82,7 +82,7 @@ def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
         assert len(work) == 3, [(w.start, w.n) for w in work]
         assert engine._graphable(work), [(w.start, w.n, w.seq.prompt_len, len(w.seq.tokens)) for w in work]
         eager = engine._rows(work).float()
-        graph, logits = (t.float() for t in engine._graph_rows(work))
+        graph, logits = (t.float() for t in engine._graph_rows(work)[:2])
 
     def rel(a, b):
         return [round(((a[i] - b[i]).norm() / b[i].norm()).item(), 4) for i in range(len(b))]
@@ -155,6 +155,37 @@ def test_overlapped_frame_steps_give_the_codes_of_plain_ones(tmp_path):
     plain = codes(False)
     assert engine.overlapped == 0 and all(len(f) == 40 for f in plain)
     assert codes(True) == plain and engine.overlapped > 30
+
+
+def test_first_codes_drawn_in_the_captured_step_equal_the_samplers(tmp_path):
+    """talker.graph_sampling: frame steps replayed from their graphs draw the first codes there (repetition
+    penalty over codes drawn, suppressed codes, seeded top-k); three sampled requests get the frames the
+    sampler after the graph gives them, frame for frame, plain and overlapped."""
+    from dataclasses import replace
+
+    from services.model.build import build_full_skeleton
+    from services.talker.engine import NativeTalker
+
+    model_dir = build_full_skeleton(tmp_path / "model")
+    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
+                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8, graph_sampling=True)
+
+    def codes(graph_sampling: bool, overlap: bool) -> list:
+        engine.graph_sampling, engine.overlap = graph_sampling, overlap
+        seqs = speech_requests(engine, model_dir)
+        for i, s in enumerate(seqs):
+            s.params = replace(s.params, temperature=0.9, top_k=50, top_p=0.95, seed=i + 1, repetition_penalty=1.05)
+        while ready := [s for s in seqs if engine.ready(s)]:
+            engine.step(ready)
+            for s in seqs:
+                if s.done and id(s) in engine.states:
+                    engine.free(s)
+        return [s.frames for s in seqs]
+
+    sampler = codes(False, False)
+    assert engine.graph_draws == 0 and all(len(f) == 40 for f in sampler)
+    assert codes(True, False) == sampler and engine.graph_draws > 30
+    assert codes(True, True) == sampler
 
 
 def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):

@@ -183,7 +183,7 @@ def test_a_request_ending_on_the_end_code(tiny_model, cases, overlap):
         assert seq.frames == expected and seq.eos == ended and seq.done, name
         assert sum(len(c.codes) for c in chunks[name]) == len(seq.frames), name
     assert engine.scheduler.allocator.used == 0 and not engine.states and not engine.vocoding
-    assert sorted(engine.free_slots) == list(range(len(engine.seen)))
+    assert sorted(engine.free_slots) == list(range(len(engine.seen) - 1))  # the last row: padding rows'
 
 
 def test_a_strong_repetition_penalty_counts_codes_not_yet_read(tiny_model, hf_model, cases):
@@ -361,3 +361,44 @@ def test_growing_chunks_equal_transformers(tiny_model, cases):
             assert len(ref) == len(chunk.pcm) and np.abs(chunk.pcm - ref).max() < 1e-5, (name, frame)
             frame += len(chunk.codes)
     assert max(len(c) for c in chunks.values()) >= 3  # the growth reached its third chunk somewhere
+
+
+def test_first_codes_drawn_with_tensor_settings_equal_the_samplers(tiny_model):
+    """talker.graph_sampling: draw_first (what a captured frame step runs) gives every row `_sample_first`'s
+    code: greedy and seeded top-k rows, with and without a repetition penalty over codes already drawn, the end
+    code allowed or banned (ignore_eos), on bf16 logits with ties; the codes it marks seen are the ones drawn."""
+    from types import SimpleNamespace
+
+    from services.talker.engine import draw_first
+
+    engine = NativeTalker(tiny_model, max_seqs=8)
+    vocab = engine.talker.codec_head.out_features
+    gen = torch.Generator().manual_seed(3)
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=50, top_p=0.8, seed=7),
+              SamplingParams(temperature=0.9, top_k=50, seed=8, repetition_penalty=1.3),
+              SamplingParams(repetition_penalty=1.3, ignore_eos=True), SamplingParams(temperature=1.0, top_k=10, seed=9, ignore_eos=True)]
+    seqs = [SimpleNamespace(params=p, frames=[0] * (3 + i), frames_unread=i % 2) for i, p in enumerate(params)]
+    for i, s in enumerate(seqs):
+        engine.states[id(s)] = SimpleNamespace(slot=i)
+    engine.seen[:len(seqs)] = torch.rand(len(seqs), vocab, generator=gen) < 0.3
+    suppress = torch.zeros(vocab, dtype=torch.bool)
+    suppress[engine.suppress] = True
+    eos = torch.zeros(vocab, dtype=torch.bool)
+    eos[engine.codec_eos] = True
+    t = torch.tensor
+    for step in range(8):
+        logits = (torch.randn(len(seqs), vocab, generator=gen) * 4).to(torch.bfloat16)
+        logits[[0, 3, 4], engine.codec_eos] = logits.max() + 1  # the end code best: the greedy row takes it, banned ones not
+        before = engine.seen.clone()
+        for s in seqs:
+            s.frames.append(0)
+        frames = [len(s.frames) + s.frames_unread for s in seqs]  # each row's draw counter, as _sample_first counts
+        drawn = draw_first(logits, before[:len(seqs)], t([p.repetition_penalty for p in params]), suppress,
+                           t([int(p.ignore_eos) for p in params]), eos, t([p.temperature for p in params]),
+                           t([p.top_k for p in params]), t([p.top_p for p in params]), t([p.seed for p in params]), t(frames))
+        eager = engine._sample_first(seqs, logits)
+        assert drawn.tolist() == eager.tolist(), step
+        assert drawn[3] != engine.codec_eos and drawn[4] != engine.codec_eos and drawn[0] == engine.codec_eos
+        marked = before.clone()
+        marked[torch.arange(len(seqs)), drawn] = True
+        assert torch.equal(engine.seen, marked)

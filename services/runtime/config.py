@@ -232,11 +232,15 @@ class TalkerConfig(LMStageConfig):
     # discarded. On by default: 19% more frames/s at 32 and 64 requests on an H200
     # (bench/results/talker-1xh200-native-modes.json).
     overlap: bool = True
+    # Captured frame steps draw their first codes inside the graph (repetition penalty, suppressed codes, the end
+    # code, top-k below 64, seeded noise: what the sampler gives, without its fifty-odd launches a frame); rows
+    # with stop ids banned for a minimum length or a wider top-k draw after it. Off until measured.
+    graph_sampling: bool = False
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "code2wav_graphs": self.code2wav_graphs, "code2wav_stream": self.code2wav_stream,
-                "overlap": self.overlap}
+                "overlap": self.overlap, "graph_sampling": self.graph_sampling}
 
 
 @dataclass

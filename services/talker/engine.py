@@ -18,7 +18,7 @@ from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
-from services.llm.sampling import SamplingParams, sample_batch
+from services.llm.sampling import CANDIDATES, SamplingParams, sample_batch
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
@@ -27,6 +27,18 @@ from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, 
 
 GREEDY = SamplingParams()
 PLACEHOLDER = -1  # a talker token (first code) not read back from the device: its value is never needed there
+
+
+def draw_first(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor, suppress: torch.Tensor,
+               no_eos: torch.Tensor, eos: torch.Tensor, temps, top_k, top_p, seeds, counters) -> torch.Tensor:
+    """`_sample_first` with every per-row setting a tensor, for a graph: the repetition penalty where `seen`
+    [B, V] (1.0: none), the suppressed codes [V] and the end code [V] where `no_eos` [B], then sample_tensors
+    over the best CANDIDATES. A row gets the code `_sample_first` gives it (first_drawable rows)."""
+    x = logits.float()
+    pen = penalty[:, None]
+    x = torch.where(seen, torch.where(x < 0, x * pen, x / pen), x)
+    x = x.masked_fill(suppress[None, :] | ((no_eos[:, None] != 0) & eos[None, :]), float("-inf"))
+    return sampling.OPS["sample_tensors"](x, temps, top_k, top_p, seeds, counters, CANDIDATES)
 
 
 @dataclass(eq=False)
@@ -52,7 +64,7 @@ class NativeTalker(SpeechEngine):
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
                  fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
-                 code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0):
+                 code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False):
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -96,8 +108,12 @@ class NativeTalker(SpeechEngine):
         self.states: dict[int, TalkerState] = {}
         # First codes each request has drawn, as a mask on the device: the repetition penalty needs no history from
         # the host, so a step can be sampled before the one before it is read.
-        self.seen = torch.zeros(max(max_seqs, 1), self.talker.codec_head.out_features, dtype=torch.bool, device=self.device)
-        self.free_slots = list(range(len(self.seen)))[::-1]
+        # Its last row is no request's: a captured step's padding rows read it.
+        self.seen = torch.zeros(max(max_seqs, 1) + 1, self.talker.codec_head.out_features, dtype=torch.bool, device=self.device)
+        self.free_slots = list(range(len(self.seen) - 1))[::-1]
+        # First codes drawn inside the captured steps where _first_drawable (the draw is captured only with it on).
+        self.graph_sampling = self.draws_captured = graph_sampling
+        self.graph_draws = 0  # frame steps whose first codes were drawn in their graph
         self.overlap, self.pending = overlap, None  # the launched frame step whose codes are not read yet
         self.overlapped = 0  # frame steps launched before the previous one's codes were read
         self.cp_graphs = self.graphs = None
@@ -120,13 +136,29 @@ class NativeTalker(SpeechEngine):
 
         self.decode_x = torch.zeros(sizes[-1], text.hidden_size, dtype=self.dtype, device=self.device)
         self.decode_pos = torch.zeros(sizes[-1], dtype=torch.long, device=self.device)
+        # The first codes' draw (graph_sampling): per row its slot in `seen` (padding: the spare last row), top-k,
+        # seed, counter, whether the end code is banned; temperature, top-p, repetition penalty.
+        self.decode_draw = (torch.zeros(5, sizes[-1], dtype=torch.long, device=self.device),
+                            torch.ones(3, sizes[-1], device=self.device))
+        self.decode_draw[0][0] = len(self.seen) - 1
+        self.graph_seen = self.seen  # the tensor the graphs read: a step draws in them only while it is the one
+        vocab = self.talker.codec_head.out_features
+        self.suppress_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+        self.suppress_mask[self.suppress] = True
+        self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+        self.eos_mask[self.codec_eos] = True
         self.decode_attention = {b: DecodeAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads, b, scratch,
                                                     self.workspace).plan([]) for b in sizes}
 
         def body(b: int):
             with step_context(self.decode_attention[b], self.moe):
                 hidden = self.talker.model(self.decode_x[:b], self.decode_pos[:b].float().expand(3, -1))
-                return hidden, self.talker.codec_head(hidden)
+                logits = self.talker.codec_head(hidden)
+            if not self.draws_captured:
+                return hidden, logits
+            (slots, top_k, seeds, counters, no_eos), (temps, top_p, pen) = self.decode_draw[0][:, :b], self.decode_draw[1][:, :b]
+            return hidden, logits, draw_first(logits, self.seen[slots], pen, self.suppress_mask, no_eos, self.eos_mask,
+                                              temps, top_k, top_p, seeds, counters)
 
         self.graphs = CapturedGraphs(sizes, body, self.device)
 
@@ -347,10 +379,11 @@ class NativeTalker(SpeechEngine):
         started, t0 = time.perf_counter(), mark(self.device)
         # Rows that reach a request's last input and draw its next frame; not a recompute of rows drawn from before.
         caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens) > w.seq.drawn]
+        drawn = None
         if self._graphable(work):
-            h, logits = self._graph_rows(work)
+            h, logits, drawn = self._graph_rows(work)
             if len(caught_up) < len(work):
-                h, logits = h[caught_up], logits[caught_up]
+                h, logits, drawn = h[caught_up], logits[caught_up], None
         else:
             hidden = self._rows(work)
             last = torch.tensor([w.n for w in work]).cumsum(0) - 1
@@ -361,7 +394,13 @@ class NativeTalker(SpeechEngine):
             work[i].seq.drawn = len(work[i].seq.tokens)
         if caught_up:  # their first codes, sampled on the device, and their frames straight after
             seqs = [work[i].seq.owner for i in caught_up]
-            return self._launch_frames(seqs, self._sample_first(seqs, logits), h, t0)
+            if drawn is not None:  # drawn in the graph: only marking them seen is left
+                self.seen[self.decode_draw[0][0, :len(seqs)], drawn] = True
+                code0 = drawn
+                self.graph_draws += 1
+            else:
+                code0 = self._sample_first(seqs, logits)
+            return self._launch_frames(seqs, code0, h, t0)
         share = (time.perf_counter() - started) / len(work)  # prompt rows only: nothing is read back, the host's time
         for w in work:
             w.seq.owner.seconds["talker"] += share
@@ -386,8 +425,27 @@ class NativeTalker(SpeechEngine):
         pos = torch.tensor([w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n), dtype=torch.long)
         upload_into(self.decode_pos[:b], pos)
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
-        hidden, logits = self.graphs.replay(b)
-        return hidden[:n], logits[:n]  # valid until the next replay: the predictor copies the states before it
+        drawn = self._first_drawable([w.seq.owner for w in work])
+        if drawn:
+            seqs, pad = [w.seq.owner for w in work], [0] * (b - n)
+            params = [s.params for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy, on the spare row of `seen`
+            upload_into(self.decode_draw[0][:, :b], [
+                [self.states[id(s)].slot for s in seqs] + [len(self.seen) - 1] * (b - n), [p.top_k for p in params],
+                [p.seed & (2**63 - 1) for p in params], [len(s.frames) + s.frames_unread for s in seqs] + pad,
+                [int(p.ignore_eos) for p in params]])
+            upload_into(self.decode_draw[1][:, :b], [[p.temperature for p in params], [p.top_p for p in params],
+                                                     [p.repetition_penalty for p in params]])
+        hidden, logits, *code0 = self.graphs.replay(b)
+        # valid until the next replay: the predictor copies the states before it
+        return hidden[:n], logits[:n], code0[0][:n] if drawn else None
+
+    def _first_drawable(self, seqs: list[TalkerSeq]) -> bool:
+        """Whether the captured step's draw gives every row of `seqs` the first code `_sample_first` gives it
+        (graph_sampling): greedy or a top-k below CANDIDATES, no stop ids banned for a minimum length, and the
+        mask of codes drawn still the one the graphs read (it is replaced when more requests start than it holds)."""
+        return self.graph_sampling and self.draws_captured and self.seen is self.graph_seen and all(
+            (s.params.temperature == 0 or 0 < s.params.top_k < CANDIDATES)
+            and not (len(s.frames) + s.frames_unread < s.params.min_tokens and s.params.stop_token_ids) for s in seqs)
 
 
 @dataclass(eq=False)
