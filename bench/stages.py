@@ -310,17 +310,17 @@ def encoder_cells(cfg: MeshConfig, device: str, args):
 
     ec = cfg.encoder
     engine = ReferenceEncoder(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
-                              batch=ec.batch, attention=ec.attention)
+                              batch=ec.batch, attention=ec.attention, compile=ec.compile)
     for kind, (decode, data) in media_items(cfg, args).items():
         f = decode(data)
         item = Item(kind, torch.from_numpy(f.values), f.grid_thw)
-        engine.step([EncodeJob([item])])  # warm-up
         for b in args.encoder_batches:
+            engine.step([EncodeJob([item]) for _ in range(b)])  # warm-up at this batch (compiled towers: its shapes)
             jobs = [EncodeJob([item]) for _ in range(b)]
             for j in jobs:
                 engine.add(j)
             seconds, _ = timed(lambda: engine.step(jobs), engine.device)
-            yield {"stage": "encoder", "item": kind, "batch": b, "batched": ec.batch, "attention": ec.attention,
+            yield {"stage": "encoder", "item": kind, "batch": b, "batched": ec.batch, "attention": ec.attention, "compiled": ec.compile,
                    "tokens_per_item": f.num_tokens, "seconds": seconds, "items_per_s": b / seconds, "step_ms": 1000 * seconds}
 
 

@@ -74,6 +74,23 @@ def test_towers_with_varlen_attention_equal_transformers_sdpa(tiny_model):
                 torch.testing.assert_close(dy, dx, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_towers_equal_the_eager_ones(tiny_model):
+    """encoder.compile: the towers compiled (inductor; on the CPU here) give the eager towers' embeddings for
+    images of two sizes and clips of two lengths in one batched step, after the start's warm-up."""
+    pre = Preprocessor(tiny_model, Limits())
+    feats = [pre.image(png(1, 64, 48)), pre.image(png(2, 96, 64)), pre.audio_file(wav(3, 1.0)), pre.audio_file(wav(4, 2.5))]
+    items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
+    eager = ReferenceEncoder(tiny_model, batch=True, attention="varlen")
+    compiled = ReferenceEncoder(tiny_model, batch=True, attention="varlen", compile=True)
+    compiled.warm(image_side=64, clip_seconds=1.0)
+    want = [e for _, enc in eager.step([EncodeJob(items)]) for e in enc]
+    got = [e for _, enc in compiled.step([EncodeJob(items)]) for e in enc]
+    for x, y in zip(want, got):
+        torch.testing.assert_close(y.embeds, x.embeds, rtol=1e-4, atol=1e-5)
+        for dx, dy in zip(x.deepstack, y.deepstack):
+            torch.testing.assert_close(dy, dx, rtol=1e-4, atol=1e-5)
+
+
 def test_pixels_normalised_where_the_encoder_runs_equal_the_processors(tiny_model):
     """Preprocessing hands on the resized image's bytes (uint8 patches, a quarter of float32's); the encoder's
     normalisation gives the floats transformers' image processor gives, to float32 rounding."""

@@ -42,7 +42,7 @@ class ReferenceEncoder:
     request the step holds (the towers attend within each item); without, one call per item."""
 
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                 seed: int = 0, batch: bool = False, attention: str = "sdpa"):
+                 seed: int = 0, batch: bool = False, attention: str = "sdpa", compile: bool = False):
         self.device, self.dtype, self.batch = torch.device(device), dtype, batch
         self.vision = load_component("vision", model_dir, device, dtype, load_format, seed)
         self.audio = load_component("audio", model_dir, device, dtype, load_format, seed)
@@ -51,11 +51,22 @@ class ReferenceEncoder:
             use_varlen_attention(self.audio)
         elif attention != "sdpa":
             raise ValueError(f"encoder attention must be varlen or sdpa, not {attention!r}")
+        if compile:  # calls and attributes pass through to the towers; their kernels compiled at first use
+            self.vision, self.audio = torch.compile(self.vision, dynamic=True), torch.compile(self.audio, dynamic=True)
         vc = self.vision.config
         self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         self.mel_bins = self.audio.config.num_mel_bins
         self.pixels = PixelNorm(model_dir)  # uint8 patches normalised here, on the towers' device
         self.log_mel = LogMel(model_dir)  # and waveforms made features here
+
+    def warm(self, image_side: int = 512, clip_seconds: float = 7.0) -> None:
+        """One image of `image_side` pixels square and one clip of `clip_seconds` through the towers, so what
+        they compile or allocate at first use is done before a request waits for it."""
+        vc = self.vision.config
+        side = image_side // (vc.patch_size * vc.spatial_merge_size) * vc.spatial_merge_size  # patches a side
+        image = Item("image", torch.zeros(side * side, self.patch_width, dtype=torch.uint8), (1, side, side))
+        clip = Item("audio", torch.zeros(self.mel_bins, int(clip_seconds * 100)))
+        self.step([EncodeJob([image, clip])])
 
     def add(self, job: EncodeJob) -> None:
         for i, item in enumerate(job.items):

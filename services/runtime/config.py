@@ -147,6 +147,9 @@ class EncoderConfig(EngineStageConfig):
     # The towers' attention: varlen, every item of a call in one SDPA call per layer with no wait on the device
     # (services/encoder/attention.py); sdpa, transformers' own, one call per item after a wait in every layer.
     attention: Literal["varlen", "sdpa"] = "varlen"
+    # The towers compiled (inductor, shapes dynamic: their layers' small kernels fused), warmed up at start on
+    # an image of 512x512 and a 7 s clip. Off until measured.
+    compile: bool = False
 
 
 @dataclass
