@@ -109,9 +109,10 @@ def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tenso
 
 def tensor_drawable(p: SamplingParams, generated: int, k: int = CANDIDATES) -> bool:
     """Whether sample_tensors over the best `k` logits gives this row the token sample_batch gives it: greedy, or
-    a top-k below `k` (a tie across rank k, which top-k cuts where its kernel happens to, then reaches back to
-    the row's own cut only through a tie as long as the gap); no repetition penalty and no stop ids banned for
-    a minimum length (sample_batch's host-side cases). The draws are the same function of (seed, counter)."""
+    a top-k below `k` (topk cuts a run of equal logits at rank k wherever its kernel happens to; a row's own
+    cut below k is the same either way unless that run reaches it); no repetition penalty and no stop ids
+    banned for a minimum length (sample_batch's host-side cases). The draws are the same function of (seed,
+    counter)."""
     return (p.repetition_penalty == 1.0 and not (generated < p.min_tokens and p.stop_token_ids)
             and (p.temperature == 0 or 0 < p.top_k < k))
 
