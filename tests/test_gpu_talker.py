@@ -1,6 +1,8 @@
 """The native talker at full size on one GPU (seeded random weights, bf16): the code predictor's frame and
 the talker's decode step (Triton experts) replayed from their CUDA graphs give what they give run eagerly."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +188,32 @@ def test_first_codes_drawn_in_the_captured_step_equal_the_samplers(tmp_path):
     assert engine.graph_draws == 0 and all(len(f) == 40 for f in sampler)
     assert codes(True, False) == sampler and engine.graph_draws > 30
     assert codes(True, True) == sampler
+
+
+def test_states_from_host_memory_reach_the_talkers_gpu():
+    """thinker.host_states: a token's states arrive inside the message (inline bytes, read to the host); the
+    talker's engine thread uploads them through pinned memory to its GPU, in its dtype, without waiting for the
+    work it has queued (a second of it here), and the values arrive whole."""
+    from types import SimpleNamespace
+
+    from omni.stage.v1 import tensor_pb2
+    from services.runtime.config import TransportConfig
+    from services.runtime.transport import Transport
+    from services.talker.speech import SpeechEngine
+
+    here = tensor_pb2.Placement(shm_domain="local", cuda=True)
+    states = torch.randn(2, 1, 2048).to(torch.bfloat16)
+    ref = Transport(TransportConfig(), "hostprod", "local").put([states[0], states[1]], here)
+    assert ref.WhichOneof("location") == "inline_data"
+    both = Transport(TransportConfig(), "hostcons", "local").get(ref, "cpu")
+    engine = SimpleNamespace(device=torch.device("cuda:0"), dtype=torch.bfloat16)
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued work on the engine's stream
+    t0 = time.perf_counter()
+    got = [SpeechEngine._to_device(engine, t) for t in both]
+    queued = time.perf_counter() - t0
+    assert queued < 0.1, f"the upload waited {queued:.3f} s for queued work"
+    assert all(g.device == torch.device("cuda:0") and g.dtype == torch.bfloat16 for g in got)
+    assert torch.equal(torch.stack(got).cpu(), states)
 
 
 def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):
