@@ -3,7 +3,8 @@ GEMM and through our Triton kernels, fp8 (per-channel weights) through `torch._s
 activations) and through the Triton kernels, fp8 with 128 x 128 tile scales through the Triton kernels, and
 past the decode kernels' token counts the sorted Triton kernels (moe: triton_sorted), bf16 and fp8. Time
 per call replayed as a CUDA graph (as decode runs it), the weight bandwidth it reached, and each output's
-difference from bf16 grouped. `--tiles` also times the Triton kernels' tile shapes at each token count.
+difference from bf16 grouped. `--tiles` also times the Triton kernels' tile shapes at each token count, and
+`--sorted-tiles` the sorted kernels'.
 
     python -m bench.moe --out bench/results/moe-1xh200.json
 """
@@ -63,12 +64,29 @@ def tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
     return sorted(timed, key=lambda c: c.get("ms", float("inf")))
 
 
+def sorted_tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
+    """The sorted kernels' tile shapes at n tokens (moe: triton_sorted, bf16 or fp8 per channel), fastest first."""
+    default, timed = triton_moe._sorted_tiles, []
+    for bm, bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4)):
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        triton_moe._sorted_tiles = lambda t, k, e, cfg=cfg: cfg
+        try:
+            with step_context(None, "triton_sorted"):
+                timed.append({**cfg, "ms": graph_ms(lambda: module(x, ids, w), iters)})
+        except Exception as e:  # a shape that does not fit in shared memory: skip it
+            timed.append({**cfg, "error": str(e)[:120]})
+        finally:
+            triton_moe._sorted_tiles = default
+    return sorted(timed, key=lambda c: c.get("ms", float("inf")))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tokens", default="1,8,32,64,128,512,2048")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--tiles", default="", help="token counts at which to time the Triton tile shapes (e.g. 1,32)")
+    p.add_argument("--sorted-tiles", default="", help="token counts at which to time the sorted kernels' tiles (e.g. 512)")
     args = p.parse_args(argv)
     tc = load_config(None).thinker_config.text_config
     dev = torch.device("cuda")
@@ -91,6 +109,7 @@ def main(argv=None):
                                         "intermediate": tc.moe_intermediate_size}, {}, {"args": vars(args)})
     result["machine"] = results.machine()
     tiles_at = {int(t) for t in args.tiles.split(",") if t}
+    sorted_tiles_at = {int(t) for t in args.sorted_tiles.split(",") if t}
     per_expert = 3 * tc.hidden_size * tc.moe_intermediate_size
     for n in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(n, tc.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -116,6 +135,9 @@ def main(argv=None):
             if n in tiles_at:
                 cell["tiles_bf16"] = tile_sweep(n, x, ids, w, experts, args.iters)[:6]
                 cell["tiles_fp8"] = tile_sweep(n, x, ids, w, channel, args.iters)[:6]
+            if n in sorted_tiles_at:
+                cell["sorted_tiles_bf16"] = sorted_tile_sweep(n, x, ids, w, experts, args.iters)[:6]
+                cell["sorted_tiles_fp8"] = sorted_tile_sweep(n, x, ids, w, channel, args.iters)[:6]
         cell["speedup_fp8_triton"] = cell["bf16_grouped_ms"] / cell.get("fp8_triton_ms", cell["fp8_grouped_ms"])
         result["cells"].append(cell)
         print(json.dumps(cell), flush=True)
