@@ -1,7 +1,8 @@
 """One full-size MoE layer's experts by number of tokens, every way we can run them: bf16 through the grouped
 GEMM and through our Triton kernels, fp8 (per-channel weights) through `torch._scaled_grouped_mm` (per-token
 activations) and through the Triton kernels, fp8 with 128 x 128 tile scales through the Triton kernels, and
-past the decode kernels' token counts the sorted Triton kernels (moe: triton_sorted), bf16 and fp8. Time
+past the decode kernels' token counts the sorted Triton kernels (moe: triton_sorted), bf16 and fp8; fp8 also
+with its weights converted to fp16 rather than bf16 for the dots (triton_moe.FP8_DOT). Time
 per call replayed as a CUDA graph (as decode runs it), the weight bandwidth it reached, and each output's
 difference from bf16 grouped. `--tiles` also times the Triton kernels' tile shapes at each token count, and
 `--sorted-tiles` the sorted kernels'.
@@ -101,6 +102,8 @@ def main(argv=None):
         "fp8_grouped": (channel, "grouped", 1), "fp8_triton": (channel, "triton", 1), "fp8block_triton": (block, "triton", 1),
         # the sorted kernels (moe: triton_sorted) for steps past the decode kernels' MAX_TOKENS
         "bf16_sorted": (experts, "triton_sorted", 2), "fp8_sorted": (channel, "triton_sorted", 1),
+        # fp8 weights converted to fp16, not bf16, for the dots (triton_moe.FP8_DOT)
+        "fp8_triton_fp16": (channel, "triton", 1), "fp8_sorted_fp16": (channel, "triton_sorted", 1),
         # e4m3 activations too (per token and 128 channels, in the kernels), fp8 tensor cores
         "fp8a8_triton": (Fp8Experts(experts, None, activations=True), "triton", 1),
         "fp8blocka8_triton": (Fp8Experts(experts, 128, activations=True), "triton", 1),
@@ -126,9 +129,13 @@ def main(argv=None):
                     continue  # the engine runs the grouped GEMM there (tile-scaled experts: dequantised tiles)
                 if backend == "triton_sorted" and not triton_moe.MAX_TOKENS < n <= triton_moe.SORTED_MAX_TOKENS:
                     continue  # the decode kernels below, the grouped GEMM above
-                with step_context(None, backend):
-                    out = module(x, ids, w).float()
-                    ms = graph_ms(lambda: module(x, ids, w), args.iters)
+                triton_moe.FP8_DOT = "float16" if name.endswith("_fp16") else "bfloat16"
+                try:
+                    with step_context(None, backend):
+                        out = module(x, ids, w).float()
+                        ms = graph_ms(lambda: module(x, ids, w), args.iters)
+                finally:
+                    triton_moe.FP8_DOT = "bfloat16"
                 cell[f"{name}_ms"] = ms
                 cell[f"{name}_weight_GBps"] = touched * per_expert * width / ms / 1e6
                 cell[f"{name}_rel_l2"] = ((out - ref).norm() / ref.norm()).item()

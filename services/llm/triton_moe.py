@@ -275,6 +275,19 @@ def _tiles(tokens: int, fp8: bool = False) -> dict:
     return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
+# The dtype fp8 weights (and the activations beside them) are converted to for the tensor cores: "bfloat16", or
+# "float16" (Hopper converts e4m3 to fp16 in one instruction, to bf16 only by way of another type; activations
+# past fp16's 65,504 would overflow, which the experts' normalised inputs do not reach). Not yet measured
+# (bench.moe's fp8_triton_fp16 way).
+FP8_DOT = "bfloat16"
+
+
+def _dot_type(scale: int):
+    if FP8_DOT == "float16" and scale != SCALE_NONE:
+        return tl.float16
+    return tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+
+
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
             block: int | None = None, residual: torch.Tensor | None = None, fp8_activations: bool = False) -> torch.Tensor:
@@ -300,8 +313,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     if h % bk or i % bk or i % bn or h % bn or h % COMBINE_BLOCK:
         raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
     x, flat_ids = x.contiguous(), ids.reshape(-1).contiguous()
-    # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter (the tests), whose bf16 dot is wrong
-    dot = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+    # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter (the tests), whose bf16 dot is wrong;
+    # fp8 weights converted to fp16 instead with FP8_DOT
+    dot = _dot_type(scale)
     m_blocks = triton.cdiv(t, bm)  # an expert holds at most one row per token (top-k ids are distinct)
     r, r_pad = t * k, triton.next_power_of_2(t * k)
     act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up of every routed row
@@ -375,10 +389,10 @@ def experts_sorted(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     x, r = x.contiguous(), t * k
     rows, block_expert = align(ids, n_exp, bm)
     blocks = block_expert.numel()
-    dot = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+    scale = SCALE_NONE if gate_up_scale is None else SCALE_CHANNEL
+    dot = _dot_type(scale)
     act = torch.empty(r, i, device=x.device, dtype=x.dtype)
     y = torch.empty(r, h, device=x.device, dtype=torch.float32)
-    scale = SCALE_NONE if gate_up_scale is None else SCALE_CHANNEL
     su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
     sd = down_scale if down_scale is not None else act
     common = dict(SCALE=scale, DOT=dot, **cfg)
