@@ -232,10 +232,12 @@ def test_tokens_drawn_inside_the_decode_graph_equal_the_samplers(pair):
 
 def test_sorted_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
     """moe: triton_sorted: one full-size MoE layer fed a real prefill's activations (600 tokens, and 100: past
-    the decode kernels' 64), bf16 and fp8 per channel, against the grouped GEMM on the same weights; replayed
-    in a graph as run eagerly (its rows grouped on the device: nothing asks the host)."""
+    the decode kernels' 64), bf16 and fp8 per channel, against the bf16 grouped GEMM on the same (for fp8:
+    dequantised) weights, activations bf16 in both; replayed in a graph as run eagerly (its rows grouped on
+    the device: nothing asks the host)."""
     from services.llm.context import step_context
-    from services.llm.fp8 import Fp8Experts
+    from services.llm.fp8 import Fp8Experts, dequantize
+    from services.llm.moe import moe_experts
 
     engine, hf = pair
     layer = engine.model.model.layers[10].mlp
@@ -246,10 +248,12 @@ def test_sorted_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair
     fp8 = Fp8Experts(layer.experts, None)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     with torch.no_grad():
+        weights = {"bf16": (layer.experts.gate_up_proj, layer.experts.down_proj),
+                   "fp8": (dequantize(fp8.gate_up_proj, fp8.gate_up_proj_scale, None, x.dtype),
+                           dequantize(fp8.down_proj, fp8.down_proj_scale, None, x.dtype))}
         for n in (600, 100):
-            for experts in (layer.experts, fp8):
-                with step_context(None, "grouped"):
-                    ref = experts(x[:n], top[:n], w[:n])
+            for experts, (gate_up, down) in ((layer.experts, weights["bf16"]), (fp8, weights["fp8"])):
+                ref = moe_experts(x[:n], top[:n], w[:n], gate_up, down, "grouped")
                 with step_context(None, "triton_sorted"):
                     got = experts(x[:n], top[:n], w[:n])
                 print(f"sorted vs grouped, {n} tokens, {type(experts).__name__}: {rel(got, ref):.5f}")
