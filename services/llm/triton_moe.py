@@ -57,6 +57,23 @@ if triton is not None:
         return rows, slot < count, block * BLOCK_M < count
 
     @triton.jit
+    def _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
+        """This program's expert, its rows, their mask and whether it has any: found in the step's ids
+        (`_expert_rows`, a decode step), or with SORTED read from `align`'s blocks (a longer step: BLOCK_M rows
+        of one expert, the sentinel R past its last; blocks past the groups' own name expert E)."""
+        if SORTED:
+            b = tl.program_id(0)
+            e = tl.load(block_expert_ptr + b)
+            rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+            m_mask = rows < R
+            any_rows = e < E
+        else:
+            e = tl.program_id(0) // M_BLOCKS
+            rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
+        return e, rows, m_mask, any_rows
+
+    @triton.jit
     def _quantize_rows(a, GRID_ROUND: tl.constexpr):
         """A [rows, 128] tile of activations in e4m3, one scale per row (a zero row keeps a tiny one):
         the same numbers as fp8.quantize_groups gives for those 128 channels. The GPU's conversion rounds
@@ -73,12 +90,13 @@ if triton is not None:
         return v.to(tl.float8e4nv), scale
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, R, H: tl.constexpr, I: tl.constexpr,
-                        K_ROUTED: tl.constexpr, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-                        SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
-                        M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        e = tl.program_id(0) // M_BLOCKS
-        rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, out_ptr, R, E, H: tl.constexpr,
+                        I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_we, stride_wn, stride_se, stride_sn,
+                        stride_out, SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
+                        M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
+                                                  SORTED)
         if any_rows:
             tok = rows // K_ROUTED
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,12 +139,13 @@ if triton is not None:
                      mask=m_mask[:, None])
 
     @triton.jit
-    def _down_kernel(a_ptr, w_ptr, s_ptr, ids_ptr, route_w_ptr, out_ptr, R, I: tl.constexpr,
-                     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    def _down_kernel(a_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, route_w_ptr, out_ptr, R, E,
+                     I: tl.constexpr, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
                      SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
-                     M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        e = tl.program_id(0) // M_BLOCKS
-        rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
+                     M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
+                                                  SORTED)
         if any_rows:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
@@ -203,69 +222,6 @@ if triton is not None:
         tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty))
 
 
-if triton is not None:
-
-    @triton.jit
-    def _sorted_gate_up_kernel(x_ptr, w_ptr, s_ptr, rows_ptr, block_expert_ptr, out_ptr, R, E, H: tl.constexpr,
-                               I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_we, stride_wn, stride_se,
-                               stride_out, SCALE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """_gate_up_kernel for a longer step: the program's rows come from `align` (BLOCK_M of one expert's routed
-        rows, the sentinel R past its last), not from a scan of every routed id."""
-        b = tl.program_id(0)
-        e = tl.load(block_expert_ptr + b)
-        if e < E:
-            rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-            m_mask = rows < R
-            tok = rows // K_ROUTED
-            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
-            g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-            u_ptrs = g_ptrs + I * stride_wn
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(0, H, BLOCK_K):
-                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
-                acc_g = tl.dot(a, tl.trans(tl.load(g_ptrs).to(DOT)), acc_g)
-                acc_u = tl.dot(a, tl.trans(tl.load(u_ptrs).to(DOT)), acc_u)
-                a_ptrs += BLOCK_K
-                g_ptrs += BLOCK_K
-                u_ptrs += BLOCK_K
-            if SCALE == 1:
-                acc_g *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
-                acc_u *= tl.load(s_ptr + e * stride_se + I + offs_n)[None, :]
-            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
-                     mask=m_mask[:, None])
-
-    @triton.jit
-    def _sorted_down_kernel(a_ptr, w_ptr, s_ptr, rows_ptr, block_expert_ptr, route_w_ptr, out_ptr, R, E,
-                            I: tl.constexpr, stride_a, stride_we, stride_wn, stride_se, stride_out, SCALE: tl.constexpr,
-                            DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """_down_kernel for a longer step, its rows from `align`."""
-        b = tl.program_id(0)
-        e = tl.load(block_expert_ptr + b)
-        if e < E:
-            rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-            m_mask = rows < R
-            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
-            w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(0, I, BLOCK_K):
-                a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
-                acc = tl.dot(a, tl.trans(tl.load(w_ptrs).to(DOT)), acc)
-                a_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            if SCALE == 1:
-                acc *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
-            acc *= tl.load(route_w_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=m_mask[:, None])
-
-
 # Tile shapes by token count. Measured on an H200 (bench/moe.py --tiles, bench/results/moe-1xh200-tiles.json):
 # at 1 and 32 tokens the best eight bf16 shapes lie within 3% of each other, so one narrow shape serves decode.
 # fp8 reads half the bytes per tile with the same shapes; wider K tiles for it are not measured yet.
@@ -299,40 +255,50 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
-    n_exp, two_i, h = gate_up.shape
-    i = two_i // 2
+    n_exp = gate_up.shape[0]
     scale = SCALE_NONE if gate_up_scale is None else (SCALE_CHANNEL if block is None else SCALE_BLOCK)
     if scale == SCALE_BLOCK and block != 128:
         raise ValueError(f"tile scales of {block} x {block}: the kernels read 128 x 128 tiles")
     if fp8_activations and (scale == SCALE_NONE or gate_up.dtype != torch.float8_e4m3fn):
         raise ValueError("fp8 activations need e4m3 expert weights with their scales")
     cfg = _tiles(t, scale != SCALE_NONE)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if fp8_activations and bk != 128:
-        raise ValueError(f"fp8 activations are scaled per 128 channels: the kernels' K tile is {bk}")
-    if h % bk or i % bk or i % bn or h % bn or h % COMBINE_BLOCK:
-        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
-    x, flat_ids = x.contiguous(), ids.reshape(-1).contiguous()
+    if fp8_activations and cfg["BLOCK_K"] != 128:
+        raise ValueError(f"fp8 activations are scaled per 128 channels: the kernels' K tile is {cfg['BLOCK_K']}")
     # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter (the tests), whose bf16 dot is wrong;
     # fp8 weights converted to fp16 instead with FP8_DOT
     dot = _dot_type(scale)
-    m_blocks = triton.cdiv(t, bm)  # an expert holds at most one row per token (top-k ids are distinct)
-    r, r_pad = t * k, triton.next_power_of_2(t * k)
+    # A8: 0 bf16 activations; 1 e4m3 ones; 2 e4m3 ones rounded onto the grid first (the interpreter's conversion)
+    a8 = 0 if not fp8_activations else (2 if dot == tl.float32 else 1)
+    flat_ids = ids.reshape(-1).contiguous()
+    m_blocks = triton.cdiv(t, cfg["BLOCK_M"])  # an expert holds at most one row per token (top-k ids are distinct)
+    common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, SORTED=False,
+                  **cfg)
+    return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
+                   (flat_ids, flat_ids, flat_ids), n_exp * m_blocks, common)  # rows and block experts unread
+
+
+def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual, ptrs: tuple, programs: int,
+            common: dict) -> torch.Tensor:
+    """The gate/up, down and combining kernels of `experts` and `experts_sorted`: `programs` row blocks, whose
+    rows the kernels find in the ids or read from `align`'s (`ptrs`: ids, rows, block experts; SORTED)."""
+    t, k = ids.shape
+    n_exp, two_i, h = gate_up.shape
+    i, bn, bk = two_i // 2, common["BLOCK_N"], common["BLOCK_K"]
+    if h % bk or i % bk or i % bn or h % bn or h % COMBINE_BLOCK:
+        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
+    x, r = x.contiguous(), t * k
     act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up of every routed row
     y = torch.empty(r, h, device=x.device, dtype=torch.float32)  # every routed row's output, weighted
     su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
     sd = down_scale if down_scale is not None else act
     su_n = su.stride(1) if su.dim() == 3 else 0
     sd_n = sd.stride(1) if sd.dim() == 3 else 0
-    # A8: 0 bf16 activations; 1 e4m3 ones; 2 e4m3 ones rounded onto the grid first (the interpreter's conversion)
-    a8 = 0 if not fp8_activations else (2 if dot == tl.float32 else 1)
-    common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=r_pad, M_BLOCKS=m_blocks, **cfg)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
-        _gate_up_kernel[(n_exp * m_blocks, i // bn)](
-            x, gate_up, su, flat_ids, act, r, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        _gate_up_kernel[(programs, i // bn)](
+            x, gate_up, su, *ptrs, act, r, n_exp, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
             su.stride(0), su_n, act.stride(0), **common)
-        _down_kernel[(n_exp * m_blocks, h // bn)](
-            act, down, sd, flat_ids, weights.reshape(-1).contiguous(), y, r, i, act.stride(0), down.stride(0),
+        _down_kernel[(programs, h // bn)](
+            act, down, sd, *ptrs, weights.reshape(-1).contiguous(), y, r, n_exp, i, act.stride(0), down.stride(0),
             down.stride(1), sd.stride(0), sd_n, y.stride(0), **common)
         out = torch.empty(t, h, device=x.device, dtype=x.dtype)
         res = residual.contiguous() if residual is not None else out  # unread without HAS_RES
@@ -378,35 +344,15 @@ def experts_sorted(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
-    n_exp, two_i, h = gate_up.shape
-    i = two_i // 2
+    n_exp = gate_up.shape[0]
     if (gate_up_scale is None) != (down_scale is None) or (gate_up_scale is not None and gate_up_scale.dim() != 2):
         raise ValueError("the sorted experts read bf16 weights, or fp8 ones with per-channel scales [E, N]")
     cfg = _sorted_tiles(t, k, n_exp)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if h % bk or i % bk or i % bn or h % bn or h % COMBINE_BLOCK:
-        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
-    x, r = x.contiguous(), t * k
-    rows, block_expert = align(ids, n_exp, bm)
-    blocks = block_expert.numel()
+    rows, block_expert = align(ids, n_exp, cfg["BLOCK_M"])
     scale = SCALE_NONE if gate_up_scale is None else SCALE_CHANNEL
-    dot = _dot_type(scale)
-    act = torch.empty(r, i, device=x.device, dtype=x.dtype)
-    y = torch.empty(r, h, device=x.device, dtype=torch.float32)
-    su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
-    sd = down_scale if down_scale is not None else act
-    common = dict(SCALE=scale, DOT=dot, **cfg)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _sorted_gate_up_kernel[(blocks, i // bn)](
-            x, gate_up, su, rows, block_expert, act, r, n_exp, h, i, k, x.stride(0), gate_up.stride(0),
-            gate_up.stride(1), su.stride(0), act.stride(0), **common)
-        _sorted_down_kernel[(blocks, h // bn)](
-            act, down, sd, rows, block_expert, weights.reshape(-1).contiguous(), y, r, n_exp, i, act.stride(0),
-            down.stride(0), down.stride(1), sd.stride(0), y.stride(0), **common)
-        out = torch.empty(t, h, device=x.device, dtype=x.dtype)
-        res = residual.contiguous() if residual is not None else out  # unread without HAS_RES
-        _combine_kernel[(t, h // COMBINE_BLOCK)](y, res, out, h, k, residual is not None, BLOCK_H=COMBINE_BLOCK)
-    return out
+    common = dict(SCALE=scale, DOT=_dot_type(scale), A8=0, R_PAD=1, M_BLOCKS=1, SORTED=True, **cfg)
+    return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
+                   (rows, rows, block_expert), block_expert.numel(), common)  # the first (ids) unread
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
