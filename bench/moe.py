@@ -43,42 +43,38 @@ def graph_ms(fn, iters: int) -> float:
     return 1000 * (time.perf_counter() - t0) / iters
 
 
-def tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
-    """The Triton kernels' tile shapes on a small grid at n tokens (bf16 or fp8 per-channel experts), fastest first.
-    Narrow N tiles are in it for the few tokens of small batches: at one token only the 8 chosen experts' programs
-    have work (96 of gate_up's with N tiles of 64, fewer than the H200's 132 SMs), so more, narrower ones may
-    keep more of the weights' bytes in flight."""
-    default, timed = triton_moe._tiles, []
-    fp8 = isinstance(module, Fp8Experts)
-    for bm, bn, bk, warps, stages in itertools.product((16, 32), (16, 32, 64, 128), (128, 256) if fp8 else (128,), (4, 8), (3, 5)):
-        if bm > max(16, n):
-            continue
+def timed_shapes(shapes, chooser: str, backend: str, x, ids, w, module, iters: int) -> list[dict]:
+    """Each tile shape (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `shapes` put in place of triton_moe's
+    `chooser` and timed under `backend`, fastest first (shapes that fail, e.g. past shared memory, last)."""
+    default, timed = getattr(triton_moe, chooser), []
+    for bm, bn, bk, warps, stages in shapes:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        triton_moe._tiles = lambda t, fp8=False, cfg=cfg: cfg
+        setattr(triton_moe, chooser, lambda *_, cfg=cfg: cfg)
         try:
-            with step_context(None, "triton"):
+            with step_context(None, backend):
                 timed.append({**cfg, "ms": graph_ms(lambda: module(x, ids, w), iters)})
         except Exception as e:  # a shape that does not fit in shared memory: skip it
             timed.append({**cfg, "error": str(e)[:120]})
         finally:
-            triton_moe._tiles = default
+            setattr(triton_moe, chooser, default)
     return sorted(timed, key=lambda c: c.get("ms", float("inf")))
+
+
+def tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
+    """The decode kernels' tile shapes on a small grid at n tokens (bf16 or fp8 per-channel experts). Narrow N
+    tiles are in it for the few tokens of small batches: at one token only the 8 chosen experts' programs have
+    work (96 of gate_up's with N tiles of 64, fewer than the H200's 132 SMs), so more, narrower ones may keep
+    more of the weights' bytes in flight."""
+    fp8 = isinstance(module, Fp8Experts)
+    shapes = [s for s in itertools.product((16, 32), (16, 32, 64, 128), (128, 256) if fp8 else (128,), (4, 8), (3, 5))
+              if s[0] <= max(16, n)]
+    return timed_shapes(shapes, "_tiles", "triton", x, ids, w, module, iters)
 
 
 def sorted_tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
-    """The sorted kernels' tile shapes at n tokens (moe: triton_sorted, bf16 or fp8 per channel), fastest first."""
-    default, timed = triton_moe._sorted_tiles, []
-    for bm, bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4)):
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        triton_moe._sorted_tiles = lambda t, k, e, cfg=cfg: cfg
-        try:
-            with step_context(None, "triton_sorted"):
-                timed.append({**cfg, "ms": graph_ms(lambda: module(x, ids, w), iters)})
-        except Exception as e:  # a shape that does not fit in shared memory: skip it
-            timed.append({**cfg, "error": str(e)[:120]})
-        finally:
-            triton_moe._sorted_tiles = default
-    return sorted(timed, key=lambda c: c.get("ms", float("inf")))
+    """The sorted kernels' tile shapes at n tokens (moe: triton_sorted, bf16 or fp8 per channel)."""
+    shapes = itertools.product((32, 64, 128), (64, 128), (64, 128), (4, 8), (3, 4))
+    return timed_shapes(shapes, "_sorted_tiles", "triton_sorted", x, ids, w, module, iters)
 
 
 def main(argv=None):
