@@ -5,6 +5,8 @@ against transformers' own thinker language model holding the very same weight te
 import pytest
 import torch
 
+from services.llm.layers import route
+
 pytestmark = pytest.mark.gpu
 
 GRAPH_MAX = 8
@@ -242,9 +244,7 @@ def test_sorted_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair
     engine, hf = pair
     layer = engine.model.model.layers[10].mlp
     x = mlp_inputs(engine, hf, layer, 600, seed=4)
-    probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)
-    w, top = torch.topk(probs, 8, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+    top, w = route(x, layer.gate.weight, 8, True)  # the router's top-8, renormalised
     fp8 = Fp8Experts(layer.experts, None)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     with torch.no_grad():
@@ -278,9 +278,7 @@ def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
     engine, hf = pair
     layer = engine.model.model.layers[10].mlp
     x = mlp_inputs(engine, hf, layer, 600, seed=3)
-    probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)
-    w, top = torch.topk(probs, 8, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+    top, w = route(x, layer.gate.weight, 8, True)  # the router's top-8, renormalised
     fp8 = Fp8Experts(layer.experts, None)
     with torch.no_grad(), step_context(None, "grouped"):
         bf16 = layer.experts(x, top, w).float()
@@ -320,9 +318,7 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
             "fp8-block-a8": (Fp8Experts(layer.experts, 128, activations=True), 0.1)}
     for n in (1, 8, 64, 300):  # 300: a prefill-sized step (grouped GEMM; 128 x 128 tiles dequantised for it)
         x = inputs[:n].clone()
-        probs = torch.nn.functional.linear(x, layer.gate.weight).softmax(-1, dtype=torch.float)
-        w, top = torch.topk(probs, 8, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        top, w = route(x, layer.gate.weight, 8, True)
         with torch.no_grad():
             with step_context(None, "grouped"):
                 ref = layer.experts(x, top, w)
