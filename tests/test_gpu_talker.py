@@ -62,6 +62,16 @@ def speech_requests(engine, model_dir, frames: int = 40, seed: int = 1) -> list:
     return seqs
 
 
+def frames_to_the_end(engine, seqs) -> list:
+    """`seqs` stepped until none is ready, each freed once done; their frames."""
+    while ready := [s for s in seqs if engine.ready(s)]:
+        engine.step(ready)
+        for s in seqs:
+            if s.done and id(s) in engine.states:
+                engine.free(s)
+    return [s.frames for s in seqs]
+
+
 def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
     """Three speech requests past their prompts: one decode step replayed from the graph of 4 (a padding row)
     against the same step run eagerly (flashinfer's decode kernel against its prefill kernel, bf16). Twenty
@@ -147,12 +157,7 @@ def test_overlapped_frame_steps_give_the_codes_of_plain_ones(tmp_path):
     def codes(overlap: bool) -> list:
         engine.overlap = overlap
         seqs = speech_requests(engine, model_dir)
-        while ready := [s for s in seqs if engine.ready(s)]:
-            engine.step(ready)
-            for s in seqs:
-                if s.done and id(s) in engine.states:
-                    engine.free(s)
-        return [s.frames for s in seqs]
+        return frames_to_the_end(engine, seqs)
 
     plain = codes(False)
     assert engine.overlapped == 0 and all(len(f) == 40 for f in plain)
@@ -177,12 +182,7 @@ def test_first_codes_drawn_in_the_captured_step_equal_the_samplers(tmp_path):
         seqs = speech_requests(engine, model_dir)
         for i, s in enumerate(seqs):
             s.params = replace(s.params, temperature=0.9, top_k=50, top_p=0.95, seed=i + 1, repetition_penalty=1.05)
-        while ready := [s for s in seqs if engine.ready(s)]:
-            engine.step(ready)
-            for s in seqs:
-                if s.done and id(s) in engine.states:
-                    engine.free(s)
-        return [s.frames for s in seqs]
+        return frames_to_the_end(engine, seqs)
 
     sampler = codes(False, False)
     assert engine.graph_draws == 0 and all(len(f) == 40 for f in sampler)
