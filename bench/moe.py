@@ -2,9 +2,10 @@
 GEMM and through our Triton kernels, fp8 (per-channel weights) through `torch._scaled_grouped_mm` (per-token
 activations) and through the Triton kernels, fp8 with 128 x 128 tile scales through the Triton kernels, and
 past the decode kernels' token counts the sorted Triton kernels (moe: triton_sorted), bf16 and fp8; fp8 also
-with its weights converted to fp16 rather than bf16 for the dots (triton_moe.FP8_DOT). Time
+with its weights converted to bf16 (`fp8_*`) or fp16 (`fp8_*_fp16`) for the dots (triton_moe.FP8_DOT). Time
 per call replayed as a CUDA graph (as decode runs it), the weight bandwidth it reached, and each output's
-difference from bf16 grouped. `--tiles` also times the Triton kernels' tile shapes at each token count, and
+difference from bf16 grouped; and up to the decode kernels' token count the router (logits, softmax, top-k):
+triton_moe.route against layers.route's torch ops. `--tiles` also times the Triton kernels' tile shapes at each token count, and
 `--sorted-tiles` the sorted kernels'.
 
     python -m bench.moe --out bench/results/moe-1xh200.json
@@ -18,7 +19,7 @@ import time
 import torch
 
 from bench import results
-from services.llm import triton_moe
+from services.llm import layers, triton_moe
 from services.llm.context import step_context
 from services.llm.fp8 import Fp8Experts
 from services.llm.layers import Experts
@@ -90,7 +91,8 @@ def main(argv=None):
     gen = torch.Generator(dev).manual_seed(0)
     with dev:
         experts = Experts(tc.hidden_size, tc.num_experts, tc.moe_intermediate_size).to(torch.bfloat16)
-    for p_ in experts.parameters():
+        gate = torch.empty(tc.num_experts, tc.hidden_size, dtype=torch.bfloat16)
+    for p_ in [*experts.parameters(), gate]:
         p_.data.normal_(0, 0.02, generator=gen)
     channel, block = Fp8Experts(experts, None), Fp8Experts(experts, 128)
     ways = {  # name: (module, experts backend, bytes per weight)
@@ -110,6 +112,7 @@ def main(argv=None):
     tiles_at = {int(t) for t in args.tiles.split(",") if t}
     sorted_tiles_at = {int(t) for t in args.sorted_tiles.split(",") if t}
     per_expert = 3 * tc.hidden_size * tc.moe_intermediate_size
+    default_dot = triton_moe.FP8_DOT
     for n in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(n, tc.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
         logits = torch.randn(n, tc.num_experts, device=dev, generator=gen)
@@ -131,10 +134,16 @@ def main(argv=None):
                         out = module(x, ids, w).float()
                         ms = graph_ms(lambda: module(x, ids, w), args.iters)
                 finally:
-                    triton_moe.FP8_DOT = "bfloat16"
+                    triton_moe.FP8_DOT = default_dot
                 cell[f"{name}_ms"] = ms
                 cell[f"{name}_weight_GBps"] = touched * per_expert * width / ms / 1e6
                 cell[f"{name}_rel_l2"] = ((out - ref).norm() / ref.norm()).item()
+            if n <= triton_moe.MAX_TOKENS:  # the router, as decode runs it
+                k = tc.num_experts_per_tok
+                cell["route_triton_ms"] = graph_ms(lambda: triton_moe.route(x, gate, k, tc.norm_topk_prob), args.iters)
+                cell["route_torch_ms"] = graph_ms(lambda: layers.route(x, gate, k, tc.norm_topk_prob), args.iters)
+                got, want = triton_moe.route(x, gate, k, tc.norm_topk_prob)[0], layers.route(x, gate, k, tc.norm_topk_prob)[0]
+                cell["route_same_experts"] = (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean().item()
             if n in tiles_at:
                 cell["tiles_bf16"] = tile_sweep(n, x, ids, w, experts, args.iters)[:6]
                 cell["tiles_fp8"] = tile_sweep(n, x, ids, w, channel, args.iters)[:6]

@@ -53,12 +53,21 @@ for t in (1, 5, 17, 40):  # one token; under one tile of rows; over it; a second
         (gq, gs), (dq, ds) = fp8.quantize(gate_up, block), fp8.quantize(down, block)
         ref = moe.loop(x.float(), ids, w.float(), fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
         out[f"fp8-{block or 'channel'}/{t}"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds, block), ref)
-        triton_moe.FP8_DOT = "float16"  # the weights (and activations) converted to fp16 for the dots
-        out[f"fp8-{block or 'channel'}-fp16dot/{t}"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds, block), ref)
-        triton_moe.FP8_DOT = "bfloat16"
+        triton_moe.FP8_DOT = "bfloat16"  # the weights (and activations) converted to bf16 for the dots
+        out[f"fp8-{block or 'channel'}-bf16dot/{t}"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds, block), ref)
+        triton_moe.FP8_DOT = "float16"
         ref = a8_loop(x, ids, w, fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
         got = triton_moe.experts(x, ids, w, gq, dq, gs, ds, block, fp8_activations=True)
         out[f"fp8-{block or 'channel'}-a8/{t}"] = rel(got, ref)
+# Activations past fp16's range (the fp8 weights' dots are in fp16): saturated at 65,504, not inf.
+x = torch.randn(2, H).to(torch.bfloat16)
+x[0, :4] = 1e5
+w, ids = torch.topk(torch.randn(2, E).softmax(-1), K)
+w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+gate_up, down = (torch.randn(E, 2 * I, H) * 1e-4).to(torch.bfloat16), (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+(gq, gs), (dq, ds) = fp8.quantize(gate_up, None), fp8.quantize(down, None)
+ref = moe.loop(x.float().clamp(-65504, 65504), ids, w.float(), fp8.dequantize(gq, gs, None), fp8.dequantize(dq, ds, None))
+out["fp8-channel-fp16dot-saturated/2"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds), ref)
 for t in (5, 40, 70):  # the sorted kernels (a prefill's): under one block of rows, over it, past MAX_TOKENS' share
     x = torch.randn(t, H).to(torch.bfloat16)
     w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
@@ -98,7 +107,7 @@ def test_triton_experts_equal_the_loop_over_experts():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
-    assert len(out) == 38 and len(routes) == 3
+    assert len(out) == 39 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out
     # e4m3 activations: each projection alone matches to float32 rounding, but a bf16 rounding of silu(gate) * up

@@ -12,7 +12,7 @@ output channels, and streams that slice of the expert's weights once:
      and stored at the row's own place;
   3. combine: a token's k rows summed in float32, the layer's residual added, one rounding (no atomics).
 
-Before them `route` does the router's work (logits, softmax, top-k, renormalisation) in one kernel.
+Before them `route` does the router's work (logits, softmax, top-k, renormalisation) in two kernels.
 
 Weights are bf16, or fp8 (e4m3) with per-channel or 128 x 128 tile scales: dequantised in the kernel
 (activations stay bf16: fp8 then only halves the bytes read, which is what a decode step waits on), or,
@@ -38,7 +38,8 @@ SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 # `moe: triton_sorted` the sorted kernels (`experts_sorted`) up to SORTED_MAX_TOKENS, the grouped GEMM beyond.
 MAX_TOKENS = 64
 SORTED_MAX_TOKENS = 4096
-ROUTE_BLOCK, COMBINE_BLOCK = 128, 128  # hidden columns per step of the routing loop, per combining program
+ROUTE_BLOCK, COMBINE_BLOCK = 128, 128  # hidden columns per routing program's slice, per combining program
+ROUTE_TOKENS = 16  # tokens per routing program (a tensor-core tile's rows)
 
 
 if triton is not None:
@@ -90,6 +91,14 @@ if triton is not None:
         return v.to(tl.float8e4nv), scale
 
     @triton.jit
+    def _activations(v, DOT: tl.constexpr):
+        """Activations in the dots' type; into fp16 saturated at its largest finite value, where a bf16 value past
+        it would become inf (and the token's output NaN)."""
+        if DOT == tl.float16:
+            v = tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0)
+        return v.to(DOT)
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, out_ptr, R, E, H: tl.constexpr,
                         I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_we, stride_wn, stride_se, stride_sn,
                         stride_out, SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
@@ -117,7 +126,7 @@ if triton is not None:
                     acc_g += pg
                     acc_u += pu
                 else:
-                    a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
+                    a = _activations(tl.load(a_ptrs, mask=m_mask[:, None], other=0.0), DOT)
                     g = tl.load(g_ptrs).to(DOT)
                     u = tl.load(u_ptrs).to(DOT)
                     if SCALE == 2:  # one scale per 128 x 128 tile: BLOCK_N and BLOCK_K divide 128
@@ -160,7 +169,7 @@ if triton is not None:
                         p *= tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)[None, :]
                     acc += p
                 else:
-                    a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0).to(DOT)
+                    a = _activations(tl.load(a_ptrs, mask=m_mask[:, None], other=0.0), DOT)
                     w = tl.load(w_ptrs).to(DOT)
                     if SCALE == 2:
                         s = tl.load(s_ptr + e * stride_se + (offs_n // 128) * stride_sn + kk // 128)
@@ -177,20 +186,34 @@ if triton is not None:
 
 
     @triton.jit
-    def _route_kernel(x_ptr, w_ptr, ids_ptr, weights_ptr, stride_x, H: tl.constexpr, E: tl.constexpr,
-                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr):
-        """One token's router logits (rounded to the activations' dtype, as F.linear gives them), softmax in
-        float32, the top-k experts by repeated arg-max (lowest id first on ties) and their weights,
-        renormalised when NORM: the five kernels of `layers.route` in one."""
+    def _route_logits_kernel(x_ptr, w_ptr, part_ptr, T, stride_x, H: tl.constexpr, E: tl.constexpr,
+                             DOT: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr):
+        """Partial router logits: BLOCK_T tokens against every expert over one SPLIT-wide slice of the hidden
+        size, into part [T, H / SPLIT, E] in float32. A slice per program spreads the router's weights (E x H)
+        over H / SPLIT programs, where one program per token read all of them alone."""
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        split = tl.program_id(1)
+        offs_h = split * SPLIT + tl.arange(0, SPLIT)
+        offs_e = tl.arange(0, E)
+        xv = tl.load(x_ptr + offs_t[:, None] * stride_x + offs_h[None, :], mask=offs_t[:, None] < T, other=0.0)
+        wv = tl.load(w_ptr + offs_e[None, :] * H + offs_h[:, None])  # [SPLIT, E]
+        acc = tl.dot(xv.to(DOT), wv.to(DOT), input_precision="ieee", out_dtype=tl.float32)
+        tl.store(part_ptr + (offs_t[:, None] * (H // SPLIT) + split) * E + offs_e[None, :], acc,
+                 mask=offs_t[:, None] < T)
+
+    @triton.jit
+    def _route_top_kernel(part_ptr, ids_ptr, weights_ptr, ROUND_TYPE: tl.constexpr, E: tl.constexpr,
+                          SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                          NORM: tl.constexpr):
+        """One token's logits from its partial sums (rounded to the activations' dtype, as F.linear gives them),
+        softmax in float32, the top-k experts by repeated arg-max (lowest id first on ties) and their weights,
+        renormalised when NORM."""
         t = tl.program_id(0)
         offs_e = tl.arange(0, E)
-        acc = tl.zeros((E,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            xv = tl.load(x_ptr + t * stride_x + offs_h).to(tl.float32)
-            wv = tl.load(w_ptr + offs_e[:, None] * H + offs_h[None, :]).to(tl.float32)
-            acc += tl.sum(wv * xv[None, :], axis=1)
-        logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        part = tl.load(part_ptr + (t * SPLITS + offs_s[:, None]) * E + offs_e[None, :], mask=offs_s[:, None] < SPLITS,
+                       other=0.0)
+        logits = tl.sum(part, axis=0).to(ROUND_TYPE).to(tl.float32)
         p = tl.exp(logits - tl.max(logits, 0))
         p = p / tl.sum(p, 0)
         offs_k = tl.arange(0, K_PAD)  # top-k slots, padded to a power of two
@@ -231,17 +254,23 @@ def _tiles(tokens: int, fp8: bool = False) -> dict:
     return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
-# The dtype fp8 weights (and the activations beside them) are converted to for the tensor cores: "bfloat16", or
-# "float16" (Hopper converts e4m3 to fp16 in one instruction, to bf16 only by way of another type; activations
-# past fp16's 65,504 would overflow, which the experts' normalised inputs do not reach). Not yet measured
-# (bench.moe's fp8_triton_fp16 way).
-FP8_DOT = "bfloat16"
+# The dtype fp8 weights (and the activations beside them) are converted to for the tensor cores: "float16"
+# (Hopper converts e4m3 to fp16 in one instruction, to bf16 only by way of another type; activations past fp16's
+# 65,504 are saturated there, not made inf) or "bfloat16". bench/results/moe-1xh200-sorted.json: one layer at
+# 1 / 32 tokens 0.033 / 0.191 ms in fp16 against 0.053 / 0.226 in bf16 (bf16 weights: 0.034 / 0.256), equal
+# outputs (4.5% from bf16 grouped, both: the fp8 weights' rounding).
+FP8_DOT = "float16"
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (the tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _dot_type(scale: int):
     if FP8_DOT == "float16" and scale != SCALE_NONE:
         return tl.float16
-    return tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+    return tl.float32 if _interpreted() else tl.bfloat16
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -268,7 +297,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     # fp8 weights converted to fp16 instead with FP8_DOT
     dot = _dot_type(scale)
     # A8: 0 bf16 activations; 1 e4m3 ones; 2 e4m3 ones rounded onto the grid first (the interpreter's conversion)
-    a8 = 0 if not fp8_activations else (2 if dot == tl.float32 else 1)
+    a8 = 0 if not fp8_activations else (2 if _interpreted() else 1)
     flat_ids = ids.reshape(-1).contiguous()
     m_blocks = triton.cdiv(t, cfg["BLOCK_M"])  # an expert holds at most one row per token (top-k ids are distinct)
     common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, SORTED=False,
@@ -356,18 +385,26 @@ def experts_sorted(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`layers.route` in one kernel (one program per token): x [T, H], gate_w [E, H] -> ids [T, k] (int64),
-    weights [T, k] in x's dtype. E must be a power of two and H a multiple of 128."""
+    """`layers.route` in two kernels: x [T, H], gate_w [E, H] -> ids [T, k] (int64), weights [T, k] in x's
+    dtype. The logits in slices of the hidden size, then per token their sum, softmax and top-k. E must be a
+    power of two (at least 16: a tensor-core tile's columns) and H a multiple of ROUTE_BLOCK."""
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, h = x.shape
     e = gate_w.shape[0]
-    if e & (e - 1) or h % ROUTE_BLOCK:
-        raise ValueError(f"{e} experts and hidden {h}: the routing kernel needs a power of two and a multiple of {ROUTE_BLOCK}")
+    if e & (e - 1) or e < 16 or h % ROUTE_BLOCK:
+        raise ValueError(f"{e} experts and hidden {h}: the routing kernels need a power of two of at least 16 experts "
+                         f"and a multiple of {ROUTE_BLOCK}")
     x, gate_w = x.contiguous(), gate_w.contiguous()
+    splits = h // ROUTE_BLOCK
+    part = torch.empty(t, splits, e, device=x.device, dtype=torch.float32)
     ids = torch.empty(t, top_k, device=x.device, dtype=torch.long)
     weights = torch.empty(t, top_k, device=x.device, dtype=x.dtype)
+    round_type = {torch.float32: tl.float32, torch.float16: tl.float16}.get(x.dtype, tl.bfloat16)
+    dot = tl.float32 if _interpreted() or x.dtype == torch.float32 else round_type
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _route_kernel[(t,)](x, gate_w, ids, weights, x.stride(0), h, e, top_k, triton.next_power_of_2(top_k), norm_topk,
-                            BLOCK_H=ROUTE_BLOCK, num_warps=8)
+        _route_logits_kernel[(triton.cdiv(t, ROUTE_TOKENS), splits)](
+            x, gate_w, part, t, x.stride(0), h, e, dot, BLOCK_T=ROUTE_TOKENS, SPLIT=ROUTE_BLOCK, num_warps=4)
+        _route_top_kernel[(t,)](part, ids, weights, round_type, e, splits, triton.next_power_of_2(splits), top_k,
+                                triton.next_power_of_2(top_k), norm_topk, num_warps=4)
     return ids, weights
