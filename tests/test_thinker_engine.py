@@ -22,6 +22,9 @@ ENGINES = {
     "grouped experts": {"moe": "grouped"},
     "overlapped decode": {"overlap": True},
     "overlap and preemption": {"overlap": True, "kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
+    # steps between attentions in pieces (step_graphs: graphs on a GPU, the same pieces run eagerly here)
+    "step pieces": {"step_graphs": 2048},
+    "step pieces, preemption": {"step_graphs": 16, "kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
 }
 N = 12
 
@@ -62,10 +65,13 @@ def test_greedy_tokens_equal_transformers(tiny_model, reference, expected, setup
         assert engine.scheduler.preemptions > 0
     if "overlap" in setup:
         assert engine.overlapped >= N // 2 and engine.pending is None
+    if "pieces" in setup:  # every step: no decode graph on the CPU
+        assert engine.pieces.steps > N
     assert engine.scheduler.allocator.used == 0 and not engine.states
 
 
-@pytest.mark.parametrize("setup", ["one step per prompt", "preemption", "overlap and preemption"])
+@pytest.mark.parametrize("setup", ["one step per prompt", "preemption", "overlap and preemption", "step pieces",
+                                   "step pieces, preemption"])
 def test_states_for_the_talker_equal_transformers_hidden_states(tiny_model, reference, setup):
     """Input embeddings and the accept layer's output, each position once and in order."""
     engine = NativeThinker(tiny_model, **ENGINES[setup])
@@ -89,8 +95,9 @@ def test_states_for_the_talker_equal_transformers_hidden_states(tiny_model, refe
         assert engine.overlapped >= N // 2
 
 
-def test_prefill_logits_match_transformers(tiny_model, reference):
-    engine = NativeThinker(tiny_model)
+@pytest.mark.parametrize("setup", ["one step per prompt", "step pieces"])
+def test_prefill_logits_match_transformers(tiny_model, reference, setup):
+    engine = NativeThinker(tiny_model, **ENGINES[setup])
     for case in CASES.values():
         seq = thinker_seq(reference, case, 1)
         kw = reference.inputs(case)

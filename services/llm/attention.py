@@ -49,7 +49,7 @@ class TorchAttention:
             write_kv(self.kv_slots(layer), k, v)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         out, row = torch.empty_like(q), 0
-        groups = q.shape[1] // k.shape[1]
+        groups = q.shape[1] // kc.shape[2]  # cache [blocks, block size, kv heads, D]
         for s in self.slices:
             total = s.cached + s.n
             blocks = torch.tensor(s.block_table[: -(-total // self.cache.block_size)], device=kc.device)

@@ -252,8 +252,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         attn, backend = self.self_attn, get_context().attention
         kv = backend.kv_slots(attn.layer)  # where the keys and values go, for the projection to write them
-        q, k, v = attn.qkv(x, self.input_layernorm, cos, sin, kv)
+        q, k, v = self.before_attention(x, cos, sin, kv)
         out = backend.forward(attn.layer, q, k, v, written=kv is not None)  # [N, heads, D]
+        return self.after_attention(x, out)
+
+    # The layer in two parts around its attention kernel (services/llm/pieces.py records each as a graph).
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None):
+        """Input norm, q/k/v, QK-norm, rotation: q [N, heads, D], k and v [N, kv_heads, D] (with `kv`, a
+        backend's kv_slots, k and v written into the cache too)."""
+        return self.self_attn.qkv(x, self.input_layernorm, cos, sin, kv)
+
+    def after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, norm and the MLP: the layer's output [N, H] from its input and the
+        attention's [N, heads, D]."""
         norm = self.post_attention_layernorm
-        x, h = OPS["post_attention"](x, out.reshape(x.shape[0], -1), attn.o_proj.weight, norm.weight, norm.eps)
+        x, h = OPS["post_attention"](x, out.reshape(x.shape[0], -1), self.self_attn.o_proj.weight, norm.weight, norm.eps)
         return self.mlp(h, residual=x)

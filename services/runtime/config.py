@@ -203,11 +203,16 @@ class ThinkerConfig(LMStageConfig):
     # to host memory beside their tokens, so they go to the talker inside the message, not as one CUDA IPC
     # transfer per request and token (a put here, a read there: host time on both sides at every token).
     host_states: bool = True
+    # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, multimodal rows) of up to this
+    # many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
+    # (services/llm/pieces.py: flashinfer attention, grouped or triton experts); on the CPU the same pieces run
+    # eagerly. 0: such steps launch every kernel eagerly. Off until measured.
+    step_graphs: int = 0
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
-                "host_states": self.host_states}
+                "host_states": self.host_states, "step_graphs": self.step_graphs}
 
 
 @dataclass

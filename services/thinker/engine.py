@@ -66,7 +66,7 @@ class NativeThinker:
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
                  max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", fp8_activations: bool = False,
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
-                 graph_sampling: bool = True, host_states: bool = False):
+                 graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0):
         self.device, self.dtype = torch.device(device), dtype
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
@@ -107,6 +107,11 @@ class NativeThinker:
         self.graphs = None
         if cuda_graph_max_batch and self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
             self._capture(min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace)
+        self.pieces = None  # other steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU
+        if step_graphs and (self.device.type != "cuda" or (self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))):
+            from services.llm.pieces import StepPieces, token_ladder
+            self.pieces = StepPieces(self.model.model, self.cache, token_ladder(min(step_graphs, max_batched_tokens)), moe,
+                                     blocks * block_size, graphs=self.device.type == "cuda")
 
     def _capture(self, max_batch: int, scratch: int, scale: float, heads: int, workspace) -> None:
         """Decode steps as CUDA graphs: token ids and positions in, layer-0 embeddings, the talker's states
@@ -149,6 +154,8 @@ class NativeThinker:
     @property
     def summary(self) -> str:
         graphs = f"decode graphs up to {self.graphs.max_batch}" if self.graphs is not None else "no graphs"
+        if self.pieces is not None:
+            graphs += f", steps of up to {self.pieces.max_tokens} tokens in {'graphs' if self.pieces.graphs else 'pieces'}"
         return (f"native (attention {self.attention_backend}, experts {self.moe}, {graphs}, "
                 f"{self.scheduler.allocator.num_blocks} KV blocks of {self.scheduler.block_size})")
 
@@ -214,8 +221,12 @@ class NativeThinker:
             return self._graph_step(work)
         embeds, positions, ds_rows, ds_values = self._inputs(work)
         capture = self.accept_layer if any(w.seq.owner.return_states for w in work) else None
-        with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
-            hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
+        attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work])
+        if self.pieces is not None and embeds.shape[0] <= self.pieces.max_tokens:
+            hidden, captured = self.pieces.forward(embeds, positions, attention, ds_rows, ds_values, capture)
+        else:
+            with step_context(attention, self.moe):
+                hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
         self.scheduler.advance(work)
         return self._outputs(work, embeds, captured, lambda rows: self.model.lm_head(hidden[rows]))
 
