@@ -107,6 +107,38 @@ def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
     assert agree >= 2 / 3, f"codec argmax agrees on {agree:.0%} of rows"
 
 
+def test_prompt_steps_replayed_in_pieces_track_eager_ones(tmp_path):
+    """talker.step_graphs: three requests' prompt rows in one step (padded to the ladder's next count: grouped
+    experts) replayed from the pieces' graphs against the same step run eagerly, row by row; then speech to
+    the end with the pieces serving every prompt and mixed step."""
+    from services.model.build import build_full_skeleton
+    from services.talker.engine import NativeTalker
+
+    model_dir = build_full_skeleton(tmp_path / "model")
+    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512, max_seqs=16, moe="triton",
+                          attention="flashinfer", cuda_graph_max_batch=8, step_graphs=256)
+    assert engine.pieces is not None and engine.pieces.graphs
+    pieces, engine.pieces = engine.pieces, None
+    seqs = speech_requests(engine, model_dir)
+    with torch.no_grad():
+        for s in seqs:
+            engine._admit(s)
+        work = engine.scheduler.schedule()
+        assert len(work) == 3 and all(w.start == 0 for w in work)
+        eager = engine._rows(work).float()
+        engine.pieces = pieces
+        replayed = engine._rows(work).float()
+    assert pieces.replays == 2 * len(engine.talker.model.layers)
+    rel = ((replayed - eager).norm(dim=-1) / eager.norm(dim=-1))
+    print(f"talker prompt rows ({len(eager)}), pieces against eager, relative L2: max {rel.max().item():.4f}, "
+          f"median {rel.median().item():.4f}")
+    assert rel.max() < 0.05
+    for s in seqs:
+        engine.free(s)
+    frames = frames_to_the_end(engine, speech_requests(engine, model_dir, seed=2))
+    assert all(len(f) == 40 for f in frames) and pieces.steps >= 3
+
+
 def test_audio_from_the_side_stream_equals_audio_waited_for(tmp_path):
     """code2wav on its own stream, read back once done, hands out the same chunks, in order, as code2wav run
     in the frame loop and waited for; every chunk of a request is out by its last step."""

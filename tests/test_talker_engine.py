@@ -29,6 +29,10 @@ ENGINES = {
     "overlap and preemption": {"overlap": True, "kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
     # the layers compiled (compile: true, inductor on the CPU here): the fused forms the GPU runs, same codes
     "compiled overlapped frame steps": {"compile": True, "overlap": True},
+    # steps between attentions in pieces (step_graphs: graphs on a GPU, the same pieces run eagerly here)
+    "step pieces": {"step_graphs": 2048},
+    "step pieces, overlap and preemption": {"step_graphs": 8, "overlap": True, "kv_blocks": 20, "block_size": 4,
+                                            "max_batched_tokens": 8},
 }
 TOKENS, FRAMES = 10, 14
 
@@ -135,6 +139,8 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup, request):
     if "preemption" in setup:
         assert engine.scheduler.preemptions > 0
     assert (engine.overlapped > 0) == ("overlap" in setup)
+    if "pieces" in setup:  # every step: no decode graph on the CPU
+        assert engine.pieces.steps >= FRAMES
     if setup == "audio handed out late":  # chunks went out in steps after their launch's
         assert sum(e.polled_early for e in engine._launch.events) > 0 and not engine.vocoding
     assert engine.scheduler.allocator.used == 0 and not engine.states

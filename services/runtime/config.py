@@ -177,6 +177,11 @@ class LMStageConfig(EngineStageConfig):
     # Decode steps of up to this many sequences replay CUDA graphs (flashinfer attention, grouped or triton
     # experts); 0: every step runs eagerly.
     cuda_graph_max_batch: int = 0
+    # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, the thinker's multimodal rows) of
+    # up to this many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
+    # (services/llm/pieces.py: flashinfer attention, grouped or triton experts); on the CPU the same pieces run
+    # eagerly. 0: such steps launch every kernel eagerly. Off until measured.
+    step_graphs: int = 0
     # Compile the layers' elementwise work (norms, rotary, routing, experts glue) into fused kernels.
     compile: bool = False
 
@@ -185,7 +190,7 @@ class LMStageConfig(EngineStageConfig):
         return dict(block_size=self.block_size, kv_blocks=self.kv_blocks, max_batched_tokens=self.max_batched_tokens,
                     max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts,
                     fp8_activations=self.fp8_activations, attention=self.attention,
-                    cuda_graph_max_batch=self.cuda_graph_max_batch, compile=self.compile)
+                    cuda_graph_max_batch=self.cuda_graph_max_batch, step_graphs=self.step_graphs, compile=self.compile)
 
 
 @dataclass
@@ -203,16 +208,11 @@ class ThinkerConfig(LMStageConfig):
     # to host memory beside their tokens, so they go to the talker inside the message, not as one CUDA IPC
     # transfer per request and token (a put here, a read there: host time on both sides at every token).
     host_states: bool = True
-    # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, multimodal rows) of up to this
-    # many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
-    # (services/llm/pieces.py: flashinfer attention, grouped or triton experts); on the CPU the same pieces run
-    # eagerly. 0: such steps launch every kernel eagerly. Off until measured.
-    step_graphs: int = 0
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
-                "host_states": self.host_states, "step_graphs": self.step_graphs}
+                "host_states": self.host_states}
 
 
 @dataclass

@@ -64,7 +64,8 @@ class NativeTalker(SpeechEngine):
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
                  fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
-                 code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False):
+                 code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
+                 step_graphs: int = 0):
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -125,6 +126,11 @@ class NativeTalker(SpeechEngine):
                 self._capture(sizes, blocks, text)
             if code2wav_graphs:
                 self.capture_code2wav(min(cuda_graph_max_batch, max_seqs))
+        self.pieces = None  # prompt and mixed steps' layers between attentions as graphs (step_graphs); eager on the CPU
+        if step_graphs and (self.device.type != "cuda" or (self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))):
+            from services.llm.pieces import StepPieces, token_ladder
+            self.pieces = StepPieces(self.talker.model, self.cache, token_ladder(min(step_graphs, max_batched_tokens)), moe,
+                                     blocks * block_size, graphs=self.device.type == "cuda")
         if code2wav_stream and self.device.type == "cuda":
             self.vocode_stream = torch.cuda.Stream(self.device)
 
@@ -164,7 +170,8 @@ class NativeTalker(SpeechEngine):
 
     @property
     def summary(self) -> str:
-        return (f"native (attention {self.attention_backend}, experts {self.moe}, "
+        pieces = f", steps of up to {self.pieces.max_tokens} tokens in pieces" if self.pieces is not None else ""
+        return (f"native (attention {self.attention_backend}, experts {self.moe}{pieces}, "
                 f"{self.scheduler.allocator.num_blocks} KV blocks of {self.scheduler.block_size})")
 
     def _fitting_blocks(self, text, block_size: int) -> int:
@@ -409,8 +416,12 @@ class NativeTalker(SpeechEngine):
     def _rows(self, work: list) -> torch.Tensor:
         """The talker's hidden states for every row of the step, eagerly."""
         rows = [w.seq.rows(w.start, w.n) for w in work]
-        with step_context(self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work]), self.moe):
-            return self.talker.model(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows], dim=1))
+        x, positions = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows], dim=1)
+        attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work])
+        if self.pieces is not None and x.shape[0] <= self.pieces.max_tokens:
+            return self.pieces.forward(x, positions, attention)[0]
+        with step_context(attention, self.moe):
+            return self.talker.model(x, positions)
 
     def _graphable(self, work: list) -> bool:
         """Every request takes its one pending frame input (no prompt rows, whose positions may differ by axis)."""
