@@ -197,7 +197,10 @@ if triton is not None:
         offs_e = tl.arange(0, E)
         xv = tl.load(x_ptr + offs_t[:, None] * stride_x + offs_h[None, :], mask=offs_t[:, None] < T, other=0.0)
         wv = tl.load(w_ptr + offs_e[None, :] * H + offs_h[:, None])  # [SPLIT, E]
-        acc = tl.dot(xv.to(DOT), wv.to(DOT), input_precision="ieee", out_dtype=tl.float32)
+        if DOT == tl.float32:  # float32 models (and the interpreter): full-precision products, not tf32's
+            acc = tl.dot(xv.to(DOT), wv.to(DOT), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc = tl.dot(xv.to(DOT), wv.to(DOT), out_dtype=tl.float32)
         tl.store(part_ptr + (offs_t[:, None] * (H // SPLIT) + split) * E + offs_e[None, :], acc,
                  mask=offs_t[:, None] < T)
 
