@@ -5,8 +5,9 @@ past the decode kernels' token counts the sorted Triton kernels (moe: triton_sor
 with its weights converted to bf16 (`fp8_*`) or fp16 (`fp8_*_fp16`) for the dots (triton_moe.FP8_DOT). Time
 per call replayed as a CUDA graph (as decode runs it), the weight bandwidth it reached, and each output's
 difference from bf16 grouped; and up to the decode kernels' token count the router (logits, softmax, top-k):
-triton_moe.route against layers.route's torch ops. `--tiles` also times the Triton kernels' tile shapes at each token count, and
-`--sorted-tiles` the sorted kernels'.
+triton_moe.route against layers.route's torch ops. The torch parts are compiled as the engines compile them
+(`--eager`: not, as every file before session 9 ran them). `--tiles` also times the Triton kernels' tile
+shapes at each token count, and `--sorted-tiles` the sorted kernels'.
 
     python -m bench.moe --out bench/results/moe-1xh200.json
 """
@@ -20,6 +21,7 @@ import torch
 
 from bench import results
 from services.llm import layers, triton_moe
+from services.llm.layers import fuse
 from services.llm.context import step_context
 from services.llm.fp8 import Fp8Experts
 from services.llm.layers import Experts
@@ -85,7 +87,10 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--tiles", default="", help="token counts at which to time the Triton tile shapes (e.g. 1,32)")
     p.add_argument("--sorted-tiles", default="", help="token counts at which to time the sorted kernels' tiles (e.g. 512)")
+    p.add_argument("--eager", action="store_true", help="the grouped path's glue uncompiled (before session 9 it always was)")
     args = p.parse_args(argv)
+    if not args.eager:
+        fuse()  # the grouped path (and torch's routing) compiled, as the engines run them with compile: true
     tc = load_config(None).thinker_config.text_config
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
@@ -141,7 +146,7 @@ def main(argv=None):
             if n <= triton_moe.MAX_TOKENS:  # the router, as decode runs it
                 k = tc.num_experts_per_tok
                 cell["route_triton_ms"] = graph_ms(lambda: triton_moe.route(x, gate, k, tc.norm_topk_prob), args.iters)
-                cell["route_torch_ms"] = graph_ms(lambda: layers.route(x, gate, k, tc.norm_topk_prob), args.iters)
+                cell["route_torch_ms"] = graph_ms(lambda: layers.OPS["route"](x, gate, k, tc.norm_topk_prob), args.iters)
                 got, want = triton_moe.route(x, gate, k, tc.norm_topk_prob)[0], layers.route(x, gate, k, tc.norm_topk_prob)[0]
                 cell["route_same_experts"] = (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean().item()
             if n in tiles_at:
