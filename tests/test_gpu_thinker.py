@@ -128,8 +128,8 @@ def test_captured_greedy_decode_agrees_with_transformers_over_256_steps(pair):
 
 def test_steps_replayed_in_pieces_track_eager_ones(pair):
     """thinker.step_graphs: prompts of 40 and 300 tokens (padded to 48 and 384 rows: Triton and grouped experts)
-    replayed from the pieces' graphs give the eager step's last logits within the transformers yardstick, and
-    three staggered greedy requests (prompt steps beside decode steps) mostly the same tokens."""
+    replayed from the pieces' graphs give the eager step's last logits within the transformers yardstick, and so
+    do three staggered requests' prompt steps beside decode steps, up to the first token a near tie tipped."""
     from services.llm.pieces import StepPieces, token_ladder
 
     engine, hf = pair
@@ -138,6 +138,7 @@ def test_steps_replayed_in_pieces_track_eager_ones(pair):
     pieces = StepPieces(engine.model.model, engine.cache, token_ladder(512), engine.moe, scratch, graphs=True)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     gen = torch.Generator().manual_seed(4)
+    limit = 0.01
     for n in (40, 300):
         ids = torch.randint(0, vocab, (n,), generator=gen)
         eager = prefill_logits(engine, ids)
@@ -149,12 +150,17 @@ def test_steps_replayed_in_pieces_track_eager_ones(pair):
         assert pieces.replays - replays == 2 * len(engine.model.model.layers)  # one step, every piece from a graph
         ref, noise = hf_logits(hf, ids)[-1], hf_logits(hf, ids, "eager")[-1]
         print(f"{n} tokens: pieces vs eager {rel(replayed, eager):.4f}; transformers eager vs sdpa {rel(noise, ref):.4f}")
-        assert rel(replayed, eager) < max(2 * rel(noise, ref), 0.01)
+        limit = max(limit, 2 * rel(noise, ref))
+        assert rel(replayed, eager) < limit
 
-    def staggered(with_pieces: bool) -> list[list[int]]:
+    def staggered(with_pieces: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Three requests arriving a step apart: the prompt steps beside decode steps; their tokens, and the logits
+        of every step the head ran outside a graph (the prompt steps: a replayed decode graph runs no hook)."""
         engine.pieces = pieces if with_pieces else None
         g = torch.Generator().manual_seed(5)
         seqs = [seq(f"p{i}", torch.randint(0, vocab, (n,), generator=g), 24) for i, n in enumerate((17, 90, 200))]
+        logits = []
+        hook = engine.model.lm_head.register_forward_hook(lambda m, a, out: logits.append(out.float()))
         try:
             active = []
             while len(active) < len(seqs) or not all(s.done for s in active):
@@ -163,17 +169,26 @@ def test_steps_replayed_in_pieces_track_eager_ones(pair):
                     engine.add(active[-1])
                 engine.step(active)
         finally:
+            hook.remove()
             for s in seqs:
                 engine.free(s)
             engine.pieces = None
-        return [s.generated for s in seqs]
+        return [s.generated for s in seqs], logits
 
     steps = pieces.steps
-    eager, replayed = staggered(False), staggered(True)
+    (eager, eager_logits), (replayed, replayed_logits) = staggered(False), staggered(True)
     assert pieces.steps - steps >= 3  # the prompt steps went through the pieces
-    same = sum(a == b for x, y in zip(eager, replayed) for a, b in zip(x, y)) / sum(len(x) for x in eager)
-    print(f"staggered greedy tokens: {same:.3f} the same with pieces")
-    assert same >= 0.8  # bf16: padded GEMMs may round differently, and a near tie then flips
+    # Step by step while both runs had the same inputs: up to the first step whose tokens differ (a near tie
+    # that bf16 rounding tipped; after it the two runs feed different tokens).
+    compared = 0
+    for a, b in zip(eager_logits, replayed_logits):
+        assert a.shape == b.shape and rel(b, a) < limit, (compared, rel(b, a), limit)
+        compared += 1
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            break
+    same = sum(x == y for p, q in zip(eager, replayed) for x, y in zip(p, q)) / sum(len(p) for p in eager)
+    print(f"prompt steps beside decode: {compared} compared; {same:.3f} of the tokens the same")
+    assert compared >= 1
 
 
 def decode(engine, seqs, **switches) -> list[list[int]]:
