@@ -107,7 +107,7 @@ def main(argv=None):
         "bf16_sorted": (experts, "triton_sorted", 2), "fp8_sorted": (channel, "triton_sorted", 1),
         # fp8 weights converted to fp16, not bf16, for the dots (triton_moe.FP8_DOT)
         "fp8_triton_fp16": (channel, "triton", 1), "fp8_sorted_fp16": (channel, "triton_sorted", 1),
-        # e4m3 activations too (per token and 128 channels, in the kernels), fp8 tensor cores
+        # e4m3 activations too (per token and 128 channels, quantised once per projection), fp8 tensor cores
         "fp8a8_triton": (Fp8Experts(experts, None, activations=True), "triton", 1),
         "fp8blocka8_triton": (Fp8Experts(experts, 128, activations=True), "triton", 1),
     }

@@ -1,8 +1,8 @@
 """The experts' Triton kernels (services/llm/triton_moe.py) run here in Triton's CPU interpreter, in a child
 process (the interpreter is chosen when the kernels are defined): bf16 and fp8 experts (per-channel and
 128 x 128 tile scales; bf16 activations, or e4m3 activations scaled per row and 128 channels) against the
-loop over experts on the same, dequantised, weights and equally quantised activations; the routing kernel
-against layers.route."""
+loop over experts on the same, dequantised, weights and equally quantised activations; the quantising kernel
+against fp8.quantize_groups; the routing kernels against layers.route."""
 
 import json
 import os
@@ -20,7 +20,7 @@ import torch
 from services.llm import fp8, layers, moe, triton_moe
 
 torch.manual_seed(0)
-E, H, I, K = 8, 256, 128, 3  # the kernels' tiles: 64 channels by 128 of the reduction
+E, H, I, K = 8, 256, 256, 3  # the kernels' tiles: 64 channels by 128 of the reduction; two of them either way
 out = {}
 
 
@@ -81,6 +81,12 @@ for t in (5, 40, 70):  # the sorted kernels (a prefill's): under one block of ro
     (gq, gs), (dq, ds) = fp8.quantize(gate_up, None), fp8.quantize(down, None)
     ref = moe.loop(x.float(), ids, w.float(), fp8.dequantize(gq, gs, None), fp8.dequantize(dq, ds, None))
     out[f"sorted-fp8-channel/{t}"] = rel(triton_moe.experts_sorted(x, ids, w, gq, dq, gs, ds), ref)
+x = torch.randn(20, H).to(torch.bfloat16) * torch.logspace(-3, 3, 20)[:, None].to(torch.bfloat16)  # rows of every scale
+x[3] = 0  # a zero row keeps a tiny scale
+q, scale = triton_moe.quantize_groups(x)  # the fp8 activations' one quantising kernel
+ref_q, ref_scale = fp8.quantize_groups(x)
+out["quantize"] = {"q": torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), "scale": torch.equal(scale, ref_scale),
+                   "dtypes": [str(q.dtype), str(scale.dtype)]}
 for t, k, norm in ((1, 8, True), (7, 6, False), (40, 8, True)):  # the thinker's top-8 and the talker's top-6
     x = torch.randn(t, H).to(torch.bfloat16)
     gate = (torch.randn(128, H) * 0.05).to(torch.bfloat16)
@@ -107,6 +113,7 @@ def test_triton_experts_equal_the_loop_over_experts():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
+    assert out.pop("quantize") == {"q": True, "scale": True, "dtypes": ["torch.float8_e4m3fn", "torch.float32"]}
     assert len(out) == 39 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out

@@ -74,8 +74,8 @@ class Fp8Experts(nn.Module):
                  activations: bool = False):
         """Quantises `experts`; or, with `stored` (gate_up, its scales, down, its scales: a block-fp8
         checkpoint's own values, services.model.load.read_fp8_experts), takes those as they are. With
-        `activations`, decode steps through the Triton kernels quantise the experts' inputs to e4m3 too (per
-        token and 128 channels) and multiply on fp8 tensor cores."""
+        `activations`, decode steps through the Triton kernels take the experts' inputs in e4m3 too (per token
+        and 128 channels, triton_moe.quantize_groups) and multiply on fp8 tensor cores."""
         super().__init__()
         self.block, self.activations = block, activations
         for i, name in enumerate(("gate_up_proj", "down_proj")):

@@ -169,8 +169,8 @@ class LMStageConfig(EngineStageConfig):
     # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile (from a block-fp8 checkpoint: its
     # own tiles and values); off: the model's dtype (a block-fp8 checkpoint is then dequantised at load).
     fp8_experts: Literal["off", "channel", "block"] = "off"
-    # With fp8 experts: decode steps' expert inputs in e4m3 too (per token and 128 channels, quantised inside the
-    # Triton kernels), multiplied on fp8 tensor cores; off: bf16 inputs, the weights converted as they load.
+    # With fp8 experts: decode steps' expert inputs in e4m3 too (per token and 128 channels, quantised once per
+    # projection), multiplied on fp8 tensor cores; off: bf16 inputs, the weights converted as they load.
     fp8_activations: bool = False
     # Attention kernels: flashinfer (GPU, 16-bit), PyTorch's SDPA (anywhere), or auto: flashinfer where it can run.
     attention: Literal["auto", "torch", "flashinfer"] = "auto"
