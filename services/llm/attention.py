@@ -43,12 +43,14 @@ class TorchAttention:
         """Where the step's keys and values go: the layer's cache as rows [slots, Hkv, D], and the rows."""
         return kv_slots(self.cache, layer, self.slot_mapping)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
-        """q [N, H, D], k and v [N, Hkv, D] -> [N, H, D]; `written`: k and v are in the cache already (kv_slots)."""
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [N, H, D], k and v [N, Hkv, D] -> [N, H, D] (into `out` when given); `written`: k and v are in the
+        cache already (kv_slots)."""
         if not written:
             write_kv(self.kv_slots(layer), k, v)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        out, row = torch.empty_like(q), 0
+        out, row = torch.empty_like(q) if out is None else out, 0
         groups = q.shape[1] // kc.shape[2]  # cache [blocks, block size, kv heads, D]
         for s in self.slices:
             total = s.cached + s.n

@@ -74,8 +74,9 @@ class FlashInferAttention(_Writer):
         self.slot_mapping = upload(_slots(slices, bs), self.cache.k.device, torch.long)
         return self
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
-        return self.wrapper.run(q, self.write(layer, k, v, written))
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.wrapper.run(q, self.write(layer, k, v, written), out=out)
 
 
 class DecodeAttention(_Writer):

@@ -128,8 +128,7 @@ class StepPieces:
         captured = None
         for i, layer in enumerate(self.layers):
             self._run(b, 2 * i)
-            out = attention.forward(layer.self_attn.layer, self.q[:n], None, None, written=True)
-            self.attn[:n].copy_(out)
+            attention.forward(layer.self_attn.layer, self.q[:n], None, None, written=True, out=self.attn[:n])
             self._run(b, 2 * i + 1)
             if capture_layer == i + 1:
                 captured = self.x[:n].clone()
