@@ -109,6 +109,37 @@ def test_pixels_normalised_where_the_encoder_runs_equal_the_processors(tiny_mode
     assert on_cpu.values.dtype == np.float32 and np.array_equal(on_cpu.values, norm(torch.from_numpy(f.values), torch.float32).numpy())
 
 
+def test_image_patches_are_the_processors_own_bytes(tiny_model):
+    """Images are resized and patched here in uint8 (not by transformers' processor, whose float pass took half an
+    image's preprocessing): the same patches and grid as the processor without rescale and normalisation, for
+    sizes kept, shrunk to the grid, grown to its minimum and cut past its maximum, and for grey, RGBA and JPEG
+    inputs."""
+    import io
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    pre = Preprocessor(tiny_model, Limits(max_image_pixels=1 << 26))
+    processor = Qwen2VLImageProcessorPil.from_pretrained(tiny_model)
+    rng = np.random.default_rng(3)
+
+    def encoded(array: np.ndarray, mode: str, fmt: str = "PNG") -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(array, mode).save(buf, format=fmt)
+        return buf.getvalue()
+
+    images = [png(1, 512, 512), png(2, 333, 517), png(3, 64, 48), png(4, 20, 30), png(5, 4000, 3600), png(6, 640, 480, "JPEG"),
+              encoded(rng.integers(0, 256, (97, 131), dtype=np.uint8), "L"),
+              encoded(rng.integers(0, 256, (120, 80, 4), dtype=np.uint8), "RGBA")]
+    for data in images:
+        got = pre.image(data)
+        out = processor(images=[open_image(data, Limits(max_image_pixels=1 << 26), "x")], do_rescale=False,
+                        do_normalize=False, return_tensors="np")
+        assert got.grid_thw == tuple(int(v) for v in out["image_grid_thw"][0])
+        assert got.values.dtype == np.uint8 and np.array_equal(got.values, out["pixel_values"].astype(np.uint8))
+        assert got.num_tokens == int(np.prod(got.grid_thw)) // 4
+
+
 def test_log_mel_from_the_waveform_equals_the_feature_extractors(tiny_model):
     """preprocess.audio: pcm hands on the 16 kHz waveform; the encoder's LogMel gives the features (and the
     preprocessor the frame and token counts) transformers' Whisper feature extractor gives, at every length

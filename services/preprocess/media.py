@@ -80,10 +80,34 @@ class Preprocessor:
         self.normalise = PixelNorm(model_dir) if pixels == "float32" else None  # else the encoder does
 
     def image(self, data: bytes, where: str = "image") -> Features:
+        """The processor's patches (resized by PIL as it resizes, in uint8 throughout: its own float pass took
+        half an image's time here, with the decode the other half), the same bytes."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
         img = open_image(data, self.limits, where)
-        out = self.images(images=[img], do_rescale=False, do_normalize=False, return_tensors="np")  # resized, patched
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        return Features("image", self._pixels(out["pixel_values"].astype(np.uint8)), grid[0] * grid[1] * grid[2] // self.merge**2, grid)
+        ip, w, h = self.images, *img.size
+        try:
+            rh, rw = smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=ip.size["shortest_edge"],
+                                  max_pixels=ip.size["longest_edge"])
+        except ValueError as e:
+            raise InvalidArgument(f"{where}: {e}") from None
+        pixels = np.asarray(img.resize((rw, rh), Image.BICUBIC) if (rw, rh) != (w, h) else img).transpose(2, 0, 1)[None]
+        patches, grid = self._patches(pixels)
+        return Features("image", self._pixels(patches), grid[0] * grid[1] * grid[2] // self.merge**2, grid)
+
+    def _patches(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """Frames [T, C, H, W] (uint8, H and W multiples of patch x merge) -> the processor's patches
+        [grid t * h * w, C * temporal patch * patch^2] and the grid (t, h, w): the last frame repeated to fill
+        the temporal patch, patches ordered by merge window."""
+        ip = self.images
+        t_patch, p, m = ip.temporal_patch_size, ip.patch_size, self.merge
+        if pad := -len(pixels) % t_patch:
+            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, axis=0)])
+        c, h, w = pixels.shape[1:]
+        gt, gh, gw = len(pixels) // t_patch, h // p, w // p
+        patches = pixels.reshape(gt, t_patch, c, gh // m, m, p, gw // m, m, p)
+        patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, c * t_patch * p * p)
+        return np.ascontiguousarray(patches), (gt, gh, gw)
 
     def _pixels(self, patches: np.ndarray) -> np.ndarray:
         """uint8 patches as handed on: as they are, or normalised here (pixels: float32)."""
@@ -111,15 +135,9 @@ class Preprocessor:
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}") from None
         pixels = np.stack([np.asarray(im.resize((rw, rh), Image.BICUBIC)) for im in imgs]).transpose(0, 3, 1, 2)  # [T, C, H, W] uint8
-        t_patch, p, m = ip.temporal_patch_size, ip.patch_size, self.merge
-        if pad := -len(pixels) % t_patch:
-            pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, axis=0)])
-        gt, gh, gw = len(pixels) // t_patch, rh // p, rw // p
-        c = pixels.shape[1]
-        patches = pixels.reshape(gt, t_patch, c, gh // m, m, p, gw // m, m, p)
-        patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, c * t_patch * p * p)
-        return Features("video", self._pixels(np.ascontiguousarray(patches)), gt * gh * gw // m**2, (gt, gh, gw),
-                        second_per_grid=t_patch / fps)
+        patches, (gt, gh, gw) = self._patches(pixels)
+        return Features("video", self._pixels(patches), gt * gh * gw // self.merge**2, (gt, gh, gw),
+                        second_per_grid=ip.temporal_patch_size / fps)
 
     def audio_file(self, data: bytes, where: str = "audio") -> Features:
         import soundfile as sf
