@@ -414,7 +414,7 @@ class NativeTalker(SpeechEngine):
         return None
 
     def _rows(self, work: list) -> torch.Tensor:
-        """The talker's hidden states for every row of the step, eagerly."""
+        """The talker's hidden states for every row of the step: in pieces (step_graphs), or eagerly."""
         rows = [w.seq.rows(w.start, w.n) for w in work]
         x, positions = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows], dim=1)
         attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work])
