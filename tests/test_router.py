@@ -16,6 +16,12 @@ def test_prefers_by_modality_then_falls_back_to_the_least_loaded():
         assert r.pick("text") in (b, c)  # busy preferred replica: the least loaded takes it
         b.in_flight = c.in_flight = 3
         assert r.pick("text") is a  # still the least loaded
+        fixed = Router([Replica(port=6, prefer_for=["text"]), Replica(port=7, prefer_for=["audio"]), Replica(port=8)],
+                       stub_cls=lambda ch: None, fixed=True)
+        fixed.endpoints[0].in_flight = 5  # busy, and taken all the same: a fixed map
+        assert fixed.pick("text") is fixed.endpoints[0] and fixed.pick("audio") is fixed.endpoints[1]
+        assert fixed.pick(None) is not fixed.endpoints[0]  # no modality: by load, around the busy one
+        await fixed.close()
         plain = Router([Replica(port=4), Replica(port=5)], stub_cls=lambda ch: None)
         assert {plain.pick("text").index for _ in range(4)} == {0, 1}  # ties alternate
         with plain.use(plain.endpoints[0]):

@@ -75,10 +75,10 @@ class Gateway:
         self.prompts = PromptBuilder(cfg.model.dir, self.spec)
         poll = cfg.gateway.load_poll_ms / 1000
         self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub, poll_s=poll)
-        self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub,
-                               by_modality=cfg.gateway.encoder_routing == "modality", poll_s=poll)
-        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub,
-                               by_modality=cfg.gateway.thinker_routing == "modality", poll_s=poll)
+        self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub, cfg.gateway.encoder_routing == "modality",
+                               poll, cfg.gateway.encoder_routing == "fixed")
+        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub, cfg.gateway.thinker_routing == "modality",
+                               poll, cfg.gateway.thinker_routing == "fixed")
         has_talker = bool(cfg.talker.replicas) and self.spec.has_talker
         self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub, poll_s=poll) if has_talker else None
         self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions

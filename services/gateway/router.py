@@ -39,8 +39,11 @@ class Endpoint:
 
 
 class Router:
-    def __init__(self, replicas: list[Replica], stub_cls, by_modality: bool = False, poll_s: float = 0.0):
-        self.by_modality, self.poll_s = by_modality, poll_s
+    def __init__(self, replicas: list[Replica], stub_cls, by_modality: bool = False, poll_s: float = 0.0,
+                 fixed: bool = False):
+        """`by_modality`: the replica preferred for a request's output modality while it is the least loaded
+        of them or idle; with `fixed`, that replica whatever its load (a fixed map, as the seed system routes)."""
+        self.by_modality, self.fixed, self.poll_s = by_modality or fixed, fixed, poll_s
         self.endpoints = []
         for i, r in enumerate(replicas):
             channel = grpc.aio.insecure_channel(r.address, options=grpc_options(STAGE_MESSAGE_BYTES))
@@ -63,7 +66,7 @@ class Router:
         if not preferred:
             return least
         best = min(preferred, key=key)
-        return best if best.load == 0 or least.load >= best.load else least
+        return best if self.fixed or best.load == 0 or least.load >= best.load else least
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._report(e) for e in self.endpoints))

@@ -106,10 +106,11 @@ class GatewayConfig:
     talker: SamplingDefaults = field(
         default_factory=lambda: SamplingDefaults(temperature=0.9, top_p=1.0, top_k=50, max_tokens=4096, repetition_penalty=1.05)
     )
-    # encoder and thinker routing: by the request's output modality (replicas' prefer_for) then load, or by
-    # load alone. Replicas without prefer_for are routed by load either way.
-    encoder_routing: Literal["modality", "least_loaded"] = "modality"
-    thinker_routing: Literal["modality", "least_loaded"] = "modality"
+    # encoder and thinker routing: by the request's output modality (replicas' prefer_for) then load, by load
+    # alone, or by modality alone (fixed: the preferred replica however busy, the seed system's map; #8's A/B).
+    # Replicas without prefer_for are routed by load either way.
+    encoder_routing: Literal["modality", "least_loaded", "fixed"] = "modality"
+    thinker_routing: Literal["modality", "least_loaded", "fixed"] = "modality"
     # How often the gateway asks each replica of a stage with several for its load (every caller's work);
     # 0: it counts only its own calls in flight.
     load_poll_ms: int = 100
