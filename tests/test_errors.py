@@ -42,6 +42,7 @@ def bad_requests():
         "corrupt image": (user(("image", bytes(r.randrange(256) for _ in range(500))), ("text", "x")).request(), INVALID, "cannot decode image"),
         "truncated image": (user(("image", good_png[: len(good_png) // 2]), ("text", "x")).request(), INVALID, "image"),
         "unsupported image format": (user(("image", png(5, fmt="BMP")), ("text", "x")).request(), INVALID, "BMP"),
+        "image too thin": (user(("image", png(5, 400, 1)), ("text", "x")).request(), INVALID, "media item 0: absolute aspect ratio"),
         "decompression bomb": (user(("image", bomb_png()), ("text", "x")).request(), EXHAUSTED, "pixels"),
         "corrupt audio": (user(("audio", b"RIFF" + bytes(300)), ("text", "x")).request(), INVALID, "cannot decode audio"),
         "truncated audio": (user(("audio", good_wav[:30]), ("text", "x")).request(), INVALID, "audio"),
