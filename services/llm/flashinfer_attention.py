@@ -10,7 +10,7 @@ Both take the step's keys and values in their slots (`kv_slots`), as `TorchAtten
 import torch
 
 from services.llm.attention import SeqSlice, kv_slots, write_kv
-from services.llm.host import upload, upload_into
+from services.llm.host import pinned, upload, upload_into
 from services.llm.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
@@ -66,10 +66,10 @@ class FlashInferAttention(_Writer):
         qo = [0]
         for s in slices:
             qo.append(qo[-1] + s.n)
-        i32 = dict(dtype=torch.int32)
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
-        self.wrapper.plan(torch.tensor(qo, **i32), torch.tensor(indptr, **i32), torch.tensor(indices, **i32),
-                          torch.tensor(last, **i32), self.heads, kv_heads, head_dim, bs, causal=True, sm_scale=self.scale,
+        i32 = torch.int32  # pinned: flashinfer's own copies to the device then wait for nothing (DecodeAttention.plan)
+        self.wrapper.plan(pinned(qo, i32), pinned(indptr, i32), pinned(indices, i32), pinned(last, i32),
+                          self.heads, kv_heads, head_dim, bs, causal=True, sm_scale=self.scale,
                           q_data_type=self.cache.k.dtype, kv_data_type=self.cache.k.dtype)
         self.slot_mapping = upload(_slots(slices, bs), self.cache.k.device, torch.long)
         return self
@@ -107,12 +107,14 @@ class DecodeAttention(_Writer):
         indices += [self.scratch] * pad
         last += [1] * pad
         slots = _slots(slices, bs) + [self.scratch * bs] * pad
-        i32 = dict(dtype=torch.int32)
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
         # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
-        # copy them with a blocking copy (a second device sync in the step).
+        # copy them with a blocking copy (a second device sync in the step). The page pointers and last
+        # pages' lengths, which it reads on the host too, go in pinned memory: copied from pageable memory
+        # they would make the host wait for the step still running (an overlapped step's launch would then
+        # start only when the device is idle).
         pages = upload(indices, self.cache.k.device, torch.int32)
-        self.wrapper.plan(torch.tensor(indptr, **i32), pages, torch.tensor(last, **i32),
+        self.wrapper.plan(pinned(indptr, torch.int32), pages, pinned(last, torch.int32),
                           self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
                           kv_data_type=self.cache.k.dtype, sm_scale=self.scale)
         upload_into(self.slot_mapping, slots)

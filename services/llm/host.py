@@ -16,6 +16,12 @@ def _host(values, dtype: torch.dtype | None, pin: bool) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, pin_memory=pin)
 
 
+def pinned(values, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` in pinned host memory, for a library that copies them to the device itself without blocking
+    (flashinfer's plans): from pageable memory that copy would wait for the device first."""
+    return _host(values, dtype, torch.cuda.is_available())
+
+
 def upload(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`values` (nested lists or a CPU tensor) on `device`, queued without waiting on it."""
     return _host(values, dtype, device.type == "cuda").to(device, non_blocking=True)
