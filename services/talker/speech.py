@@ -304,8 +304,11 @@ class SpeechEngine:
         if not text:
             return torch.stack([e for _, e in tts])
         out = torch.empty(len(frames), frames[0][0].tts.shape[1], device=self.device, dtype=self.dtype)
-        out[[r for r, _ in text]] = self.talker.text_projection(torch.stack([e for _, e in text])[None])[0]
-        out[[r for r, _ in tts]] = torch.stack([e for _, e in tts])
+        # Row indices through pinned memory: a Python list as an index is copied from pageable memory, which may
+        # wait for the step the device is still running (an overlapped step's inputs are queued during it).
+        rows = upload([r for r, _ in text] + [r for r, _ in tts], self.device, torch.long)
+        out[rows[:len(text)]] = self.talker.text_projection(torch.stack([e for _, e in text])[None])[0]
+        out[rows[len(text):]] = torch.stack([e for _, e in tts])
         return out
 
     def _next_chunk(self, seq: TalkerSeq) -> tuple[int, int, int] | None:
