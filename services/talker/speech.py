@@ -256,34 +256,38 @@ class SpeechEngine:
     def prompt_inputs(self, seq: TalkerSeq) -> tuple[torch.Tensor, torch.Tensor]:
         """The talker's prompt [L, D] and its M-RoPE positions [3, L] (sets seq.tts and seq.rope_delta)."""
         tk, raw = self.talker, self.spec.raw
-        ids = seq.prompt_ids.to(self.device)
+        # The prompt's layout is worked out on the host from its ids, so nothing here waits for the device (an
+        # admission comes while a frame step may still run): the device only gathers and projects rows.
+        ids = seq.prompt_ids.cpu()
         n = len(ids)
         embeds, hidden = self._states(seq)
         # User turns only, multimodal positions from the accept layer, text from the input embedding.
-        positions = torch.arange(n, device=self.device)
+        positions = torch.arange(n)
         starts = torch.where(ids == raw["im_start_token_id"], positions, torch.full_like(positions, -1))
         role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(n - 1)]
         user = role == raw["user_token_id"]
-        mm = torch.isin(ids, self.mm_ids.to(self.device))
+        mm = torch.isin(ids, self.mm_ids)
+        rows = upload(torch.cat([mm.nonzero()[:, 0], (~mm).nonzero()[:, 0], user.nonzero()[:, 0]]), self.device)
+        mm_rows, text_rows, user_rows = rows.split([int(mm.sum()), n - int(mm.sum()), int(user.sum())])
         projected = torch.empty(n, tk.config.text_config.hidden_size, device=self.device, dtype=self.dtype)
-        if mm.any():
-            projected[mm] = tk.hidden_projection(hidden[:n][mm])
-        projected[~mm] = tk.text_projection(embeds[:n][~mm])
-        user_embeds, user_ids = projected[user], ids[user]
+        if len(mm_rows):
+            projected[mm_rows] = tk.hidden_projection(hidden[mm_rows])
+        projected[text_rows] = tk.text_projection(embeds[text_rows])
+        user_embeds, user_ids = projected[user_rows], ids[user]
         # Assistant prefix: <|im_start|> assistant \n, tts_pad x4, tts_bos, first text token, each summed with
         # the codec stream zeros x3, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos.
         a = int(torch.nonzero((ids[:-1] == raw["im_start_token_id"]) & (ids[1:] == raw["assistant_token_id"]))[-1])
-        seq.tts = tk.text_projection(seq.tts_embeds.to(self.device, self.dtype)[None])[0]
+        seq.tts = tk.text_projection(self._to_device(seq.tts_embeds)[None])[0]
         bos, _, pad = seq.tts
         assistant = tk.text_projection(embeds[a:n + 1][None])[0]
         text = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
         c = self.codec
-        codec_ids = torch.tensor([c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"], seq.speaker_id,
-                                  c["codec_pad_id"], c["codec_bos_id"]], device=self.device)
+        codec_ids = upload([c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"], seq.speaker_id,
+                            c["codec_pad_id"], c["codec_bos_id"]], self.device, torch.long)
         codec = torch.cat([torch.zeros(3, text.shape[1], device=self.device, dtype=self.dtype), tk.get_input_embeddings()(codec_ids)])
-        talker_ids = torch.cat([user_ids, torch.full((9,), self.tts_pad_id, device=self.device)])
-        pos, seq.rope_delta = mrope_positions(talker_ids.cpu().numpy(), seq.layout, self.rope_tokens)
-        return torch.cat([user_embeds, text + codec]), torch.from_numpy(pos).to(self.device)
+        talker_ids = torch.cat([user_ids, torch.full((9,), self.tts_pad_id)])
+        pos, seq.rope_delta = mrope_positions(talker_ids.numpy(), seq.layout, self.rope_tokens)
+        return torch.cat([user_embeds, text + codec]), upload(torch.from_numpy(pos), self.device)
 
     def trailing(self, seq: TalkerSeq, t: int) -> torch.Tensor:
         """The text added to frame t's input [1, D]: thinker position L + 1 + t, then tts_eos, then tts_pad."""
