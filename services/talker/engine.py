@@ -5,6 +5,7 @@ for the whole batch); one read of the device takes the step's codes. With `overl
 the next step is launched, so the host's work for a step runs while the device computes the one before.
 Same requests and outputs as the reference engine."""
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -387,14 +388,17 @@ class NativeTalker(SpeechEngine):
         # Rows that reach a request's last input and draw its next frame; not a recompute of rows drawn from before.
         caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens) > w.seq.drawn]
         drawn = None
+        # Rows picked through pinned memory (an index from a host list is copied from pageable memory, which
+        # may wait for the frame step still running).
         if self._graphable(work):
             h, logits, drawn = self._graph_rows(work)
             if len(caught_up) < len(work):
-                h, logits, drawn = h[caught_up], logits[caught_up], None
+                rows = upload(caught_up, self.device, torch.long)
+                h, logits, drawn = h[rows], logits[rows], None
         else:
             hidden = self._rows(work)
-            last = torch.tensor([w.n for w in work]).cumsum(0) - 1
-            h = hidden[last[caught_up]] if caught_up else None
+            last = list(itertools.accumulate(w.n for w in work))
+            h = hidden[upload([last[i] - 1 for i in caught_up], self.device, torch.long)] if caught_up else None
             logits = self.talker.codec_head(h) if caught_up else None
         self.scheduler.advance(work)
         for i in caught_up:
