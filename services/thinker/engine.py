@@ -228,7 +228,7 @@ class NativeThinker:
             with step_context(attention, self.moe):
                 hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
         self.scheduler.advance(work)
-        return self._outputs(work, embeds, captured, lambda rows: self.model.lm_head(hidden[rows]))
+        return self._outputs(work, embeds, captured, lambda rows: self.model.lm_head(hidden[upload(rows, self.device, torch.long)]))
 
     # -- overlapped decode -------------------------------------------------------------------------
 
