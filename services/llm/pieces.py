@@ -33,6 +33,16 @@ def token_ladder(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
+def build(decoder, cache, step_graphs: int, max_tokens: int, moe: str, scratch_slot: int, capturable: bool):
+    """An engine's pieces (`step_graphs`: up to that many tokens, at most its step's `max_tokens`): graphs on a
+    GPU whose attention and experts a graph can hold (`capturable`), the same pieces eagerly on the CPU;
+    None when off or not capturable."""
+    on_gpu = cache.k.is_cuda
+    if not step_graphs or (on_gpu and not capturable):
+        return None
+    return StepPieces(decoder, cache, token_ladder(min(step_graphs, max_tokens)), moe, scratch_slot, graphs=on_gpu)
+
+
 class StepPieces:
     def __init__(self, decoder, cache, sizes: list[int], moe: str, scratch_slot: int, graphs: bool):
         """`decoder`: a stack of layers.DecoderLayer with its `rope` and final `norm` (the thinker's

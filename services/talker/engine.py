@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.llm import sampling
+from services.llm import pieces, sampling
 from services.llm.attention import DenseAttention, SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import fp8_layout, quantize_experts_
 from services.llm.host import upload, upload_into
@@ -127,11 +127,9 @@ class NativeTalker(SpeechEngine):
                 self._capture(sizes, blocks, text)
             if code2wav_graphs:
                 self.capture_code2wav(min(cuda_graph_max_batch, max_seqs))
-        self.pieces = None  # prompt and mixed steps' layers between attentions as graphs (step_graphs); eager on the CPU
-        if step_graphs and (self.device.type != "cuda" or (self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))):
-            from services.llm.pieces import StepPieces, token_ladder
-            self.pieces = StepPieces(self.talker.model, self.cache, token_ladder(min(step_graphs, max_batched_tokens)), moe,
-                                     blocks * block_size, graphs=self.device.type == "cuda")
+        # Prompt and mixed steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
+        self.pieces = pieces.build(self.talker.model, self.cache, step_graphs, max_batched_tokens, moe, blocks * block_size,
+                                   self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))
         if code2wav_stream and self.device.type == "cuda":
             self.vocode_stream = torch.cuda.Stream(self.device)
 
@@ -171,8 +169,8 @@ class NativeTalker(SpeechEngine):
 
     @property
     def summary(self) -> str:
-        pieces = f", steps of up to {self.pieces.max_tokens} tokens in pieces" if self.pieces is not None else ""
-        return (f"native (attention {self.attention_backend}, experts {self.moe}{pieces}, "
+        in_pieces = f", steps of up to {self.pieces.max_tokens} tokens in pieces" if self.pieces is not None else ""
+        return (f"native (attention {self.attention_backend}, experts {self.moe}{in_pieces}, "
                 f"{self.scheduler.allocator.num_blocks} KV blocks of {self.scheduler.block_size})")
 
     def _fitting_blocks(self, text, block_size: int) -> int:

@@ -13,7 +13,7 @@ from services.llm.host import upload, upload_into
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
-from services.llm import sampling
+from services.llm import pieces, sampling
 from services.llm.sampling import CANDIDATES, sample_batch, tensor_drawable
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
@@ -107,11 +107,9 @@ class NativeThinker:
         self.graphs = None
         if cuda_graph_max_batch and self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
             self._capture(min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace)
-        self.pieces = None  # other steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU
-        if step_graphs and (self.device.type != "cuda" or (self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))):
-            from services.llm.pieces import StepPieces, token_ladder
-            self.pieces = StepPieces(self.model.model, self.cache, token_ladder(min(step_graphs, max_batched_tokens)), moe,
-                                     blocks * block_size, graphs=self.device.type == "cuda")
+        # Other steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
+        self.pieces = pieces.build(self.model.model, self.cache, step_graphs, max_batched_tokens, moe, blocks * block_size,
+                                   self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))
 
     def _capture(self, max_batch: int, scratch: int, scale: float, heads: int, workspace) -> None:
         """Decode steps as CUDA graphs: token ids and positions in, layer-0 embeddings, the talker's states
