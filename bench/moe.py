@@ -21,10 +21,9 @@ import torch
 
 from bench import results
 from services.llm import layers, triton_moe
-from services.llm.layers import fuse
 from services.llm.context import step_context
 from services.llm.fp8 import Fp8Experts
-from services.llm.layers import Experts
+from services.llm.layers import Experts, fuse
 from services.model.load import load_config
 
 
