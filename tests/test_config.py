@@ -65,6 +65,12 @@ def test_overrides_apply_on_top_of_the_file_and_are_checked(tmp_path):
         load_config(path, ["thinker.cuda_graph_max_batch=many"])
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(path, ["thinker.engine"])
+    # A bare off is a bool to YAML: where the setting's choices are words, it means the word (the bf16 half
+    # of scripts/thinker-2xh200 once failed on `--set thinker.fp8_experts=off`).
+    assert load_config(path, ["thinker.fp8_experts=channel"]).thinker.fp8_experts == "channel"
+    assert load_config(path, ["thinker.fp8_experts=off"]).thinker.fp8_experts == "off"
+    with pytest.raises(ConfigError, match="True is not one of"):
+        load_config(path, ["thinker.fp8_experts=on"])
 
 
 def test_fp8_activations_need_fp8_experts(tmp_path):

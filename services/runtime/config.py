@@ -315,6 +315,8 @@ def _coerce(tp, value, where: str):
         (item,) = typing.get_args(tp)
         return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is Literal:
+        if isinstance(value, bool) and ("off" if value is False else "on") in typing.get_args(tp):
+            value = "off" if value is False else "on"  # YAML reads a bare off / on as a bool
         if value not in typing.get_args(tp):
             raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
         return value
