@@ -122,6 +122,7 @@ def test_prompt_steps_replayed_in_pieces_track_eager_ones(tmp_path):
     seqs = speech_requests(engine, model_dir)
     with torch.no_grad():
         for s in seqs:
+            assert engine.ready(s)  # takes in the thinker's states, which admission reads
             engine._admit(s)
         work = engine.scheduler.schedule()
         assert len(work) == 3 and all(w.start == 0 for w in work)
