@@ -7,7 +7,7 @@ only reads a timestamp and a few lengths, so the client stays cheap (its CPU tim
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -29,6 +29,7 @@ class LoopResult:
     client_cpu_s: float  # this process's CPU time over the loop
     messages: int  # responses read
     out_of_time: bool = False
+    stage_cpu: dict = field(default_factory=dict)  # stage process -> its CPU seconds per wall second (bench.stagecpu)
 
 
 class MeshClient:

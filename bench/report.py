@@ -76,6 +76,20 @@ def first_output_split(group: str, cells: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def stage_cpu(group: str, cells: list[dict]) -> list[str]:
+    """A table of each stage process's CPU over the cell (bench.stagecpu), as a share of one core."""
+    names = sorted({k for c in cells for k in c.get("stage_cpu_frac") or {}})
+    if not names:
+        return []
+    lines = [f"CPU of each stage process over {group}'s cells, % of one core (100%: a Python process's main thread "
+             "can do no more):", "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for cell in cells:
+        cpu = cell.get("stage_cpu_frac") or {}
+        label = key_label(tuple(kv for kv in cell_key(cell) if kv[0] not in ("workload", "stage", "mode")))
+        lines.append(f"| {label} | " + " | ".join("-" if cpu.get(k) is None else f"{100 * cpu[k]:.0f}" for k in names) + " |")
+    return lines + [""]
+
+
 def markdown(result: dict, name: str, baseline: dict | None = None, baseline_name: str = "") -> str:
     lines = [f"# {name}", "", f"- ours: `{name}`: {describe(result)}"]
     if baseline:
@@ -102,6 +116,7 @@ def markdown(result: dict, name: str, baseline: dict | None = None, baseline_nam
                                                    for c in columns) + f" | {notes} |")
         lines.append("")
         lines += first_output_split(group, cells)
+        lines += stage_cpu(group, cells)
     return "\n".join(lines)
 
 

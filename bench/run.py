@@ -19,9 +19,10 @@ from pathlib import Path
 
 import grpc
 
-from bench import results
+from bench import results, stagecpu
 from bench.loadgen import LoopResult, MeshClient
 from bench.records import summarize
+from bench.stagecpu import StageCpu
 from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select
 from services.runtime.config import REPO_ROOT, load_config, read_overridden, write_overridden
 
@@ -81,9 +82,15 @@ def finish_cell(w: Workload, concurrency: int, loop: LoopResult, warmup: int, ke
     if loop.messages:
         cell.update(client_cpu_s=loop.client_cpu_s, client_cpu_frac=loop.client_cpu_s / max(loop.duration, 1e-9),
                     client_us_per_msg=1e6 * loop.client_cpu_s / loop.messages, messages=loop.messages)
+    if loop.stage_cpu:
+        cell["stage_cpu_frac"] = loop.stage_cpu
     if keep_records:
         cell["records"] = [r.as_dict() for r in loop.records]
     return cell
+
+
+def busiest(cpu: dict[str, float], n: int = 3) -> list[tuple[str, float]]:
+    return sorted(cpu.items(), key=lambda kv: -kv[1])[:n]
 
 
 def print_cell(cell: dict) -> None:
@@ -101,6 +108,7 @@ def print_cell(cell: dict) -> None:
           f"{num('req_per_s', '.3f')} req/s  {num('audio_s_per_s', '.2f')} audio-s/s  TTFT p50 {ms('ttft_p50')} "
           f"TTFA p50 {ms('ttfa_p50')}  ITL p50 {ms('itl_p50')}  e2e p50 {ms('e2e_p50')}  RTF p50 {num('rtf_p50', '.3f')}  "
           f"{cell['duration_s']:.1f}s" + (f"  client CPU {cell['client_cpu_frac']:.0%}" if "client_cpu_frac" in cell else "")
+          + ("  busiest: " + ", ".join(f"{k} {v:.0%}" for k, v in busiest(cell.get("stage_cpu_frac", {}))) if cell.get("stage_cpu_frac") else "")
           + (f"  [{cell['status']}: {cell['reason']}]" if cell["status"] != "ok" else "")
           + (f"  first error: {cell['first_error'][:160]}" if cell["failures"] else ""), flush=True)
 
@@ -123,12 +131,16 @@ class MeshRunner:
     note = ""
     failure_blocks_larger = False  # a failure at one concurrency says nothing about the next
 
-    def __init__(self, client: MeshClient, media: MediaSpec, seed: int):
-        self.client, self.media, self.seed = client, media, seed
+    def __init__(self, client: MeshClient, media: MediaSpec, seed: int, cpu: StageCpu | None = None):
+        self.client, self.media, self.seed, self.cpu = client, media, seed, cpu
 
     async def __call__(self, w: Workload, indices: list[int], concurrency: int, deadline: float | None) -> LoopResult:
         requests = [(i, grpc_request(w, i, self.media, self.seed)) for i in indices]  # built before the clock starts
-        return await self.client.closed_loop(requests, concurrency, deadline)
+        before = self.cpu.read() if self.cpu else {}
+        loop = await self.client.closed_loop(requests, concurrency, deadline)
+        if self.cpu:
+            loop.stage_cpu = stagecpu.fractions(before, self.cpu.read(), loop.duration)
+        return loop
 
 
 class HfRunner:
@@ -209,7 +221,7 @@ class Sweep:
                 failed_at[w.name] = min(b, failed_at.get(w.name, b))
             self.add(cell)
 
-    async def mesh(self, address: str, stage_died, wait_ready: float = 0.0) -> None:
+    async def mesh(self, address: str, stage_died, wait_ready: float = 0.0, cpu: StageCpu | None = None) -> None:
         client = MeshClient(address, self.args.channels, self.args.request_timeout)
         try:
             deadline = time.perf_counter() + wait_ready
@@ -223,7 +235,7 @@ class Sweep:
                     await asyncio.sleep(1.0)
             self.result["model"]["served"] = {"model": info.model, "voices": list(info.voices),
                                               "max_new_tokens": info.limits.max_new_tokens}
-            await self.run(MeshRunner(client, self.media, self.args.seed), stage_died)
+            await self.run(MeshRunner(client, self.media, self.args.seed, cpu), stage_died)
         finally:
             await client.close()
 
@@ -347,7 +359,7 @@ def main(argv=None) -> dict:
         print(f"mesh of {args.config} healthy after {run['launch_s']:.0f}s", flush=True)
 
         try:
-            asyncio.run(sweep.mesh(mesh.gateway_address, lambda w: dead_stages(mesh.procs, w)))
+            asyncio.run(sweep.mesh(mesh.gateway_address, lambda w: dead_stages(mesh.procs, w), cpu=StageCpu(cfg)))
         finally:
             run["stage_exit_codes"] = mesh.stop()
     else:  # a mesh started apart (services.launch with the same --config and --set), perhaps still starting
@@ -355,7 +367,7 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             wait_serving(cfg, args.wait_ready)
             run["wait_ready_s"] = time.perf_counter() - t0
-        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda w: "", args.wait_ready))
+        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda w: "", args.wait_ready, StageCpu(cfg)))
     run.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=time.perf_counter() - started)
     results.write(result, args.out)
     print(f"wrote {args.out} ({len(result['cells'])} cells, {run['wall_s']:.0f}s)", flush=True)

@@ -102,6 +102,14 @@ def check_sweep(path, engine: str, lost_per_chunk: int) -> dict:
             assert 0 < cell["client_cpu_frac"] < 1 and cell["messages"] > 0, where
             # The gateway's clock starts after the client's and stops before the client has read the message.
             assert all(0 < r["server_ttft"] <= r["ttft"] for r in recs) and "total" in cell["stage_seconds_p50"], where
+            # every stage process's CPU over the cell, from its metrics endpoint (in clock ticks of 10 ms: a short
+            # cell may show none; the sweep as a whole shows the gateway and thinker at work)
+            cpu = cell["stage_cpu_frac"]
+            assert {k.rsplit("-", 1)[0] for k in cpu} == {"gateway", "preprocess", "encoder", "thinker", "talker"}, where
+            assert all(v >= 0 for v in cpu.values()), (where, cpu)
+    if engine == "mesh":
+        for stage in ("gateway-0", "thinker-0"):
+            assert sum(c["stage_cpu_frac"][stage] * c["duration_s"] for c in cells.values()) > 0.05, stage
     return result
 
 
@@ -137,6 +145,7 @@ def test_report_and_compare(mesh_result, hf_result, capsys):
     # with media, the talker's parts with speech
     split = md[md.index("## s2s"):]
     assert "Where s2s's first output waits" in split and "encode_wait" in split and "talker_first_chunk" in split
+    assert "CPU of each stage process over s2s's cells" in split and "gateway-0" in split
     text = md[md.index("## t2t"):md.index("## i2s")]
     assert "thinker_wait" in text and "encode_wait" not in text
     rows = compare.main([str(hf_result), str(mesh_result), "--metrics", "output_tok_per_s,ttfa_p50"])
