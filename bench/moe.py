@@ -68,6 +68,10 @@ def tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
     work (96 of gate_up's with N tiles of 64, fewer than the H200's 132 SMs), so more, narrower ones may keep
     more of the weights' bytes in flight."""
     fp8 = isinstance(module, Fp8Experts)
+    if fp8 and module.activations:  # e4m3 inputs are scaled per 128 channels: K tiles of 128; fp8 tiles are half
+        # the bytes of bf16's, so wider N tiles and deeper pipelines fit the same shared memory
+        shapes = [s for s in itertools.product((16, 32), (32, 64, 128, 256), (128,), (4, 8), (3, 4, 6)) if s[0] <= max(16, n)]
+        return timed_shapes(shapes, "_tiles", "triton", x, ids, w, module, iters)
     shapes = [s for s in itertools.product((16, 32), (16, 32, 64, 128), (128, 256) if fp8 else (128,), (4, 8), (3, 5))
               if s[0] <= max(16, n)]
     return timed_shapes(shapes, "_tiles", "triton", x, ids, w, module, iters)
@@ -85,6 +89,7 @@ def main(argv=None):
     p.add_argument("--tokens", default="1,8,32,64,128,512,2048")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--tiles", default="", help="token counts at which to time the Triton tile shapes (e.g. 1,32)")
+    p.add_argument("--tile-ways", default="bf16,fp8,fp8a8", help="whose tiles --tiles times: bf16, fp8 (bf16 inputs), fp8a8")
     p.add_argument("--sorted-tiles", default="", help="token counts at which to time the sorted kernels' tiles (e.g. 512)")
     p.add_argument("--eager", action="store_true", help="the grouped path's glue uncompiled (before session 9 it always was)")
     args = p.parse_args(argv)
@@ -149,8 +154,9 @@ def main(argv=None):
                 got, want = triton_moe.route(x, gate, k, tc.norm_topk_prob)[0], layers.route(x, gate, k, tc.norm_topk_prob)[0]
                 cell["route_same_experts"] = (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean().item()
             if n in tiles_at:
-                cell["tiles_bf16"] = tile_sweep(n, x, ids, w, experts, args.iters)[:6]
-                cell["tiles_fp8"] = tile_sweep(n, x, ids, w, channel, args.iters)[:6]
+                for way in args.tile_ways.split(","):
+                    module = {"bf16": experts, "fp8": channel, "fp8a8": ways["fp8a8_triton"][0]}[way]
+                    cell[f"tiles_{way}"] = tile_sweep(n, x, ids, w, module, args.iters)[:6]
             if n in sorted_tiles_at:
                 cell["sorted_tiles_bf16"] = sorted_tile_sweep(n, x, ids, w, experts, args.iters)[:6]
                 cell["sorted_tiles_fp8"] = sorted_tile_sweep(n, x, ids, w, channel, args.iters)[:6]

@@ -38,9 +38,13 @@ def a8_loop(x, ids, w, gate_up, down):
     return y
 
 
-for t in (1, 5, 17, 40):  # one token; under one tile of rows; over it; a second tile shape (BLOCK_M 32, two blocks)
+# One token and two (fewer routed rows than experts: a program per routed row, the two tokens sharing experts 0
+# and 2 in different slots); under one tile of rows; over it; a second tile shape (BLOCK_M 32, two blocks).
+for t in (1, 2, 5, 17, 40):
     x = torch.randn(t, H).to(torch.bfloat16)
     w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)  # distinct experts per token, as a router gives
+    if t == 2:
+        ids = torch.tensor([[0, 1, 2], [2, 3, 0]])
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
     gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
     down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
@@ -114,7 +118,7 @@ def test_triton_experts_equal_the_loop_over_experts():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
     assert out.pop("quantize") == {"q": True, "scale": True, "dtypes": ["torch.float8_e4m3fn", "torch.float32"]}
-    assert len(out) == 39 and len(routes) == 3
+    assert len(out) == 47 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out
     # e4m3 activations: each projection alone matches to float32 rounding, but a bf16 rounding of silu(gate) * up

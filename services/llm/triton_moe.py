@@ -62,16 +62,25 @@ if triton is not None:
 
     @triton.jit
     def _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, SORTED: tl.constexpr):
+                      BLOCK_M: tl.constexpr, SORTED: tl.constexpr, COMPACT: tl.constexpr):
         """This program's expert, its rows, their mask and whether it has any: found in the step's ids
         (`_expert_rows`, a decode step), or with SORTED read from `align`'s blocks (a longer step: BLOCK_M rows
-        of one expert, the sentinel R past its last; blocks past the groups' own name expert E)."""
+        of one expert, the sentinel R past its last; blocks past the groups' own name expert E). COMPACT (fewer
+        routed rows than experts): one program per routed row rather than per expert, taking the row's expert
+        if no earlier row chose it (and every row that did), so no program is started for an unchosen expert."""
         if SORTED:
             b = tl.program_id(0)
             e = tl.load(block_expert_ptr + b)
             rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
             m_mask = rows < R
             any_rows = e < E
+        elif COMPACT:
+            first = tl.program_id(0) // M_BLOCKS
+            e = tl.load(ids_ptr + first)
+            offs_r = tl.arange(0, R_PAD)
+            before = tl.sum((tl.load(ids_ptr + offs_r, mask=offs_r < first, other=-1) == e).to(tl.int32), 0)
+            rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
+            any_rows = any_rows & (before == 0)
         else:
             e = tl.program_id(0) // M_BLOCKS
             rows, m_mask, any_rows = _expert_rows(ids_ptr, e, tl.program_id(0) % M_BLOCKS, R, R_PAD, BLOCK_M)
@@ -117,10 +126,11 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, out_ptr, R, E, H: tl.constexpr,
                         I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_xs, stride_we, stride_wn, stride_se,
                         stride_sn, stride_out, SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
-                        M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, COMPACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
         e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
-                                                  SORTED)
+                                                  SORTED, COMPACT)
         if any_rows:
             tok = rows // K_ROUTED
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -167,10 +177,11 @@ if triton is not None:
     def _down_kernel(a_ptr, as_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, route_w_ptr, out_ptr, R, E,
                      I: tl.constexpr, stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_out,
                      SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
-                     M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, COMPACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
         e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
-                                                  SORTED)
+                                                  SORTED, COMPACT)
         if any_rows:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
@@ -319,10 +330,13 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     a8 = int(fp8_activations)
     flat_ids = ids.reshape(-1).contiguous()
     m_blocks = triton.cdiv(t, cfg["BLOCK_M"])  # an expert holds at most one row per token (top-k ids are distinct)
+    # Fewer routed rows than experts (a batch of one: 8 of 128): programs per routed row, not per expert, so the
+    # unchosen experts' programs are never started (each would still take its turn on an SM to find no rows).
+    compact = t * k < n_exp
     common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, SORTED=False,
-                  **cfg)
+                  COMPACT=compact, **cfg)
     return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
-                   (flat_ids, flat_ids, flat_ids), n_exp * m_blocks, common)  # rows and block experts unread
+                   (flat_ids, flat_ids, flat_ids), (t * k if compact else n_exp) * m_blocks, common)  # rows, block experts unread
 
 
 QUANT_ROWS = 16  # rows per quantising program
@@ -418,7 +432,7 @@ def experts_sorted(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     cfg = _sorted_tiles(t, k, n_exp)
     rows, block_expert = align(ids, n_exp, cfg["BLOCK_M"])
     scale = SCALE_NONE if gate_up_scale is None else SCALE_CHANNEL
-    common = dict(SCALE=scale, DOT=_dot_type(scale), A8=0, R_PAD=1, M_BLOCKS=1, SORTED=True, **cfg)
+    common = dict(SCALE=scale, DOT=_dot_type(scale), A8=0, R_PAD=1, M_BLOCKS=1, SORTED=True, COMPACT=False, **cfg)
     return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
                    (rows, rows, block_expert), block_expert.numel(), common)  # the first (ids) unread
 
