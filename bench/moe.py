@@ -70,7 +70,7 @@ def tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
     fp8 = isinstance(module, Fp8Experts)
     if fp8 and module.activations:  # e4m3 inputs are scaled per 128 channels: K tiles of 128; fp8 tiles are half
         # the bytes of bf16's, so wider N tiles and deeper pipelines fit the same shared memory
-        shapes = [s for s in itertools.product((16, 32), (32, 64, 128, 256), (128,), (4, 8), (3, 4, 6)) if s[0] <= max(16, n)]
+        shapes = [s for s in itertools.product((16, 32), (64, 128, 256), (128,), (4, 8), (3, 4)) if s[0] <= max(16, n)]
         return timed_shapes(shapes, "_tiles", "triton", x, ids, w, module, iters)
     shapes = [s for s in itertools.product((16, 32), (16, 32, 64, 128), (128, 256) if fp8 else (128,), (4, 8), (3, 5))
               if s[0] <= max(16, n)]

@@ -83,7 +83,8 @@ class DecodeAttention(_Writer):
     """One token per sequence for exactly `batch` sequences (rows past the real ones are padding: they write
     to and read from `scratch_block`, which no sequence owns)."""
 
-    def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor):
+    def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor,
+                 tensor_cores: bool = True):
         import flashinfer
 
         super().__init__(cache)
@@ -95,7 +96,7 @@ class DecodeAttention(_Writer):
         self.last = torch.zeros(batch, **i32)
         self.slot_mapping = torch.zeros(batch, dtype=torch.long, device=dev)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=self.indptr,
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=self.indptr,
             paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
 
     def plan(self, slices: list[SeqSlice]) -> "DecodeAttention":

@@ -178,6 +178,10 @@ class LMStageConfig(EngineStageConfig):
     # Decode steps of up to this many sequences replay CUDA graphs (flashinfer attention, grouped or triton
     # experts); 0: every step runs eagerly.
     cuda_graph_max_batch: int = 0
+    # Captured decode attention through flashinfer's tensor-core kernels (its prefill kernels, split over the KV and
+    # merged); off: its CUDA-core decode kernel, one query row per head group (the A/B: at batch 1 the tensor-core
+    # path took 11.4 us a layer, profile-1xh200-b1-decode-ecdda12.txt).
+    decode_tensor_cores: bool = True
     # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, the thinker's multimodal rows) of
     # up to this many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
     # (services/llm/pieces.py: flashinfer attention, grouped or triton experts); on the CPU the same pieces run
@@ -191,7 +195,8 @@ class LMStageConfig(EngineStageConfig):
         return dict(block_size=self.block_size, kv_blocks=self.kv_blocks, max_batched_tokens=self.max_batched_tokens,
                     max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts,
                     fp8_activations=self.fp8_activations, attention=self.attention,
-                    cuda_graph_max_batch=self.cuda_graph_max_batch, step_graphs=self.step_graphs, compile=self.compile)
+                    cuda_graph_max_batch=self.cuda_graph_max_batch, decode_tensor_cores=self.decode_tensor_cores,
+                    step_graphs=self.step_graphs, compile=self.compile)
 
 
 @dataclass

@@ -66,7 +66,8 @@ class NativeTalker(SpeechEngine):
                  fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
                  code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
-                 step_graphs: int = 0):
+                 step_graphs: int = 0, decode_tensor_cores: bool = True):
+        self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -153,7 +154,7 @@ class NativeTalker(SpeechEngine):
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
         self.eos_mask[self.codec_eos] = True
         self.decode_attention = {b: DecodeAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads, b, scratch,
-                                                    self.workspace).plan([]) for b in sizes}
+                                                    self.workspace, self.decode_tensor_cores).plan([]) for b in sizes}
 
         def body(b: int):
             with step_context(self.decode_attention[b], self.moe):
