@@ -179,8 +179,8 @@ class LMStageConfig(EngineStageConfig):
     # experts); 0: every step runs eagerly.
     cuda_graph_max_batch: int = 0
     # Captured decode attention through flashinfer's tensor-core kernels (its prefill kernels, split over the KV and
-    # merged); off: its CUDA-core decode kernel, one query row per head group (the A/B: at batch 1 the tensor-core
-    # path took 11.4 us a layer, profile-1xh200-b1-decode-ecdda12.txt).
+    # merged); off: its CUDA-core decode kernel. On by default: 229 against 206 tok/s at 1 request, 1,938 against
+    # 1,843 at 32 (bench/results/thinker-1xh200-decode-tensor-cores-*-2434a01.json).
     decode_tensor_cores: bool = True
     # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, the thinker's multimodal rows) of
     # up to this many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
