@@ -85,3 +85,49 @@ def test_the_engine_thread_and_the_server_thread_work_on_the_replicas_gpu(monkey
     assert current[threading.get_ident()] == "cuda:1"
     worker_mod.use_device("cpu")  # nothing to select on the CPU
     assert current[threading.get_ident()] == "cuda:1"
+
+
+class _Lockstep:
+    """Three requests stepped together, twice: one output each per step, ending on the second."""
+
+    def __init__(self):
+        self.added = []
+
+    def add(self, req) -> None:
+        self.added.append(req)
+
+    def ready(self, req) -> bool:
+        return len(self.added) == 3 and not req.done
+
+    def step(self, reqs):
+        for r in self.added:
+            r.steps += 1
+            r.done = r.steps == 2
+        return [(r, (r.name, r.steps)) for r in self.added]
+
+    def free(self, req) -> None: ...
+
+
+def test_a_steps_outputs_reach_the_server_in_one_wake_up():
+    """Every output of a step, and the ends it brings, go to the server's event loop in one call (one write to its
+    self-pipe, one turn of the loop), each request's in order."""
+    import types
+
+    from services.runtime.worker import EngineWorker
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        calls = []
+        wake = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), wake(*a))[1]
+        w = EngineWorker(_Lockstep(), "lockstep")
+        try:
+            handles = [w.submit(types.SimpleNamespace(name=n, steps=0, done=False)) for n in "abc"]
+            got = [[x async for x in h.outputs()] for h in handles]
+        finally:
+            w.stop()
+        return got, len(calls)
+
+    got, wake_ups = asyncio.run(go())
+    assert got == [[(n, 1), (n, 2)] for n in "abc"]
+    assert wake_ups == 2  # was one per output and one per end: 9
