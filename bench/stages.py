@@ -78,9 +78,11 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
     engine = make_engine(cfg, device)  # the config's engine: reference or native
     dev, gen = engine.device, torch.Generator().manual_seed(args.seed)
     steps = args.decode_steps
+    prompt = chat_prompts(cfg, args.seed) if args.prompts == "chat" else None
 
     def batch(b: int, length: int, max_tokens: int) -> list:
-        seqs = [ThinkerSeq(f"bench-{i}", torch.randint(0, engine.vocab, (length,), generator=gen),
+        seqs = [ThinkerSeq(f"bench-{i}", torch.randint(0, engine.vocab, (length,), generator=gen) if prompt is None
+                           else prompt(i, length),
                            SamplingParams(max_tokens=max_tokens, seed=i + 1, **THINKER_SAMPLING)) for i in range(b)]
         for s in seqs:
             engine.add(s)
@@ -137,6 +139,7 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 seconds, _ = timed(decode, dev)
                 dev_ms = device_ms(lambda: engine.step(seqs), dev)
                 step_ms = 1000 * seconds / steps
+                touched = experts_touched(engine, seqs, b) if args.routing_stats else None
                 for s in seqs:
                     engine.free(s)
                 if i == 0:  # prefill is the same in every mode
@@ -148,7 +151,51 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                        "steps": steps, "seconds": seconds, "tok_per_s": b * steps / seconds, "step_ms": step_ms,
                        "device_ms_per_step": dev_ms, "host_ms_per_step": host,
                        # what of the step the device spends waiting on the host (host work not overlapped with it)
-                       "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries}
+                       "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries,
+                       **({"experts_touched": touched} if args.routing_stats else {})}
+
+
+def chat_prompts(cfg: MeshConfig, seed: int):
+    """prompt(i, length): request i's t2t text (bench.workloads' generated ASCII) in the chat template, as the
+    gateway lays it out, repeated or cut to `length` tokens: prompts like the mesh's, where random token ids may
+    route a random model's tokens differently (what `--routing-stats` shows)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir)
+
+    def prompt(i: int, length: int) -> torch.Tensor:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": ascii_prompt(seed * 1000 + i, length)}],
+                                            add_generation_prompt=True, tokenize=True)
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        return torch.tensor((ids * -(-length // len(ids)))[-length:], dtype=torch.long)  # the template's end kept
+
+    return prompt
+
+
+def experts_touched(engine, seqs: list, rows: int, steps: int = 4) -> dict | None:
+    """How many experts a decode step of `rows` tokens chooses per layer (median and range over layers and
+    `steps` more steps): what a step reads of the experts' weights. Read from forward hooks, so only steps that
+    run eagerly count (captured decode runs no Python: set cuda_graph_max_batch=0); None if none did."""
+    from services.llm.fp8 import Fp8Experts
+    from services.llm.layers import Experts
+
+    counts = []
+
+    def hook(module, inputs, output):
+        x, ids = inputs[0], inputs[1]
+        if x.shape[0] == rows:
+            counts.append(ids.unique().numel())  # a device sync: this pass is not timed
+
+    handles = [m.register_forward_hook(hook) for m in engine.model.modules() if isinstance(m, (Experts, Fp8Experts))]
+    try:
+        for _ in range(steps):
+            engine.step(seqs)
+    finally:
+        for h in handles:
+            h.remove()
+    if not counts:
+        return None
+    return {"median": statistics.median(counts), "min": min(counts), "max": max(counts), "layer_steps": len(counts)}
 
 
 def hf_thinker_cells(cfg: MeshConfig, device: str, args):
@@ -384,6 +431,10 @@ def parse_args(argv=None):
     p.add_argument("--prompt-lens", type=ints, default=[512, 4096])
     p.add_argument("--hf-batches", type=ints, default=[1, 8, 32], help="batches of transformers' generate() (hf-thinker)")
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--prompts", choices=["random", "chat"], default="random",
+                   help="thinker prompts: random token ids, or the t2t workload's text in the chat template")
+    p.add_argument("--routing-stats", action="store_true",
+                   help="thinker: experts chosen per layer by a decode step (eager steps only: cuda_graph_max_batch=0)")
     p.add_argument("--frames", type=int, default=16, help="talker frames per sequence")
     p.add_argument("--talker-prompt-bytes", type=int, default=32)
     p.add_argument("--thinker-modes", default="config",

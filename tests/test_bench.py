@@ -6,6 +6,7 @@ from pathlib import Path
 import statistics
 
 import pytest
+import torch
 
 from bench import ceiling, compare, report, results, stages
 from bench import run as bench_run
@@ -379,3 +380,31 @@ def test_a_dead_stage_skips_only_the_cells_that_need_it():
     assert [n for n, w in WORKLOADS.items() if dead_stages(procs, w)] == ["i2t", "s2t", "t2s", "i2s", "s2s"]
     procs["thinker-0"] = proc(1)
     assert all(dead_stages(procs, w) for w in WORKLOADS.values())
+
+
+def test_thinker_stage_with_chat_prompts_counts_the_experts_a_step_reads(bench_dir, tiny_model):
+    """--prompts chat: the t2t workload's text in the chat template, cut to the prompt length with the template's
+    end kept; --routing-stats: how many experts a decode step of the batch chose per layer (the native engine's
+    eager steps on the CPU): exactly top-k for one request, between top-k and all of them for several."""
+    from transformers import AutoTokenizer
+
+    from services.model.load import load_config
+    from services.runtime.config import load_config as load_mesh_config
+
+    text = load_config(tiny_model).thinker_config.text_config
+    out = bench_dir / "routing.json"
+    stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "thinker", "--batches", "1,4",
+                 "--prompt-lens", "24", "--decode-steps", "2", "--prompts", "chat", "--routing-stats",
+                 "--set", "thinker.engine=native"])
+    by = {results.cell_key(c): c for c in results.read(out)["cells"]}
+    one = by[(("stage", "thinker"), ("mode", "decode"), ("batch", 1), ("prompt_len", 24))]["experts_touched"]
+    assert one["min"] == one["max"] == text.num_experts_per_tok and one["layer_steps"] == 4 * text.num_hidden_layers
+    four = by[(("stage", "thinker"), ("mode", "decode"), ("batch", 4), ("prompt_len", 24))]["experts_touched"]
+    assert text.num_experts_per_tok <= four["min"] <= four["max"] <= min(text.num_experts, 4 * text.num_experts_per_tok)
+    cfg = load_mesh_config(bench_dir / "mesh.yaml")
+    ids = stages.chat_prompts(cfg, 0)(3, 24)
+    end = AutoTokenizer.from_pretrained(tiny_model).apply_chat_template([{"role": "user", "content": "x"}],
+                                                                        add_generation_prompt=True, tokenize=True)
+    end = end if isinstance(end, list) else end["input_ids"]
+    assert len(ids) == 24 and ids[-3:].tolist() == end[-3:]  # the assistant's opening, last
+    assert not torch.equal(ids, stages.chat_prompts(cfg, 0)(4, 24))  # each request its own text
