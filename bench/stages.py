@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from bench import results
+from bench.routing import chat_prompts, experts_touched
 from bench.workloads import FRAMES_PER_SECOND, ascii_prompt, clip_wav, image_png
 from services.llm.mrope import Layout
 from services.llm.sampling import SamplingParams
@@ -153,49 +154,6 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                        # what of the step the device spends waiting on the host (host work not overlapped with it)
                        "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries,
                        **({"experts_touched": touched} if args.routing_stats else {})}
-
-
-def chat_prompts(cfg: MeshConfig, seed: int):
-    """prompt(i, length): request i's t2t text (bench.workloads' generated ASCII) in the chat template, as the
-    gateway lays it out, repeated or cut to `length` tokens: prompts like the mesh's, where random token ids may
-    route a random model's tokens differently (what `--routing-stats` shows)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir)
-
-    def prompt(i: int, length: int) -> torch.Tensor:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": ascii_prompt(seed * 1000 + i, length)}],
-                                            add_generation_prompt=True, tokenize=True)
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
-        return torch.tensor((ids * -(-length // len(ids)))[-length:], dtype=torch.long)  # the template's end kept
-
-    return prompt
-
-
-def experts_touched(engine, seqs: list, rows: int, steps: int = 4) -> dict | None:
-    """How many experts a decode step of `rows` tokens chooses per layer (median and range over layers and
-    `steps` more steps): what a step reads of the experts' weights. Read from forward hooks, so only steps that
-    run eagerly count (captured decode runs no Python: set cuda_graph_max_batch=0); None if none did."""
-    from services.llm.fp8 import Fp8Experts
-    from services.llm.layers import Experts
-
-    counts = []
-
-    def hook(module, inputs, output):
-        x, ids = inputs[0], inputs[1]
-        if x.shape[0] == rows:
-            counts.append(ids.unique().numel())  # a device sync: this pass is not timed
-
-    handles = [m.register_forward_hook(hook) for m in engine.model.modules() if isinstance(m, (Experts, Fp8Experts))]
-    try:
-        for _ in range(steps):
-            engine.step(seqs)
-    finally:
-        for h in handles:
-            h.remove()
-    if not counts:
-        return None
-    return {"median": statistics.median(counts), "min": min(counts), "max": max(counts), "layer_steps": len(counts)}
 
 
 def hf_thinker_cells(cfg: MeshConfig, device: str, args):

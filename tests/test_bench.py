@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from bench import ceiling, compare, report, results, stages
+from bench import ceiling, compare, report, results, routing, stages
 from bench import run as bench_run
 from bench.workloads import WORKLOADS, MediaSpec, ascii_prompt, grpc_request, select
 from conftest import write_config
@@ -402,9 +402,9 @@ def test_thinker_stage_with_chat_prompts_counts_the_experts_a_step_reads(bench_d
     four = by[(("stage", "thinker"), ("mode", "decode"), ("batch", 4), ("prompt_len", 24))]["experts_touched"]
     assert text.num_experts_per_tok <= four["min"] <= four["max"] <= min(text.num_experts, 4 * text.num_experts_per_tok)
     cfg = load_mesh_config(bench_dir / "mesh.yaml")
-    ids = stages.chat_prompts(cfg, 0)(3, 24)
+    ids = routing.chat_prompts(cfg, 0)(3, 24)
     end = AutoTokenizer.from_pretrained(tiny_model).apply_chat_template([{"role": "user", "content": "x"}],
                                                                         add_generation_prompt=True, tokenize=True)
     end = end if isinstance(end, list) else end["input_ids"]
     assert len(ids) == 24 and ids[-3:].tolist() == end[-3:]  # the assistant's opening, last
-    assert not torch.equal(ids, stages.chat_prompts(cfg, 0)(4, 24))  # each request its own text
+    assert not torch.equal(ids, routing.chat_prompts(cfg, 0)(4, 24))  # each request its own text
