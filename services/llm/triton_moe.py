@@ -127,8 +127,7 @@ if triton is not None:
                         I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_xs, stride_we, stride_wn, stride_se,
                         stride_sn, stride_out, SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
                         M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, COMPACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
                                                   SORTED, COMPACT)
         if any_rows:
@@ -178,8 +177,7 @@ if triton is not None:
                      I: tl.constexpr, stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_out,
                      SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
                      M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, COMPACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
                                                   SORTED, COMPACT)
         if any_rows:
@@ -335,8 +333,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     compact = t * k < n_exp
     common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, SORTED=False,
                   COMPACT=compact, **cfg)
+    programs = (t * k if compact else n_exp) * m_blocks
     return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
-                   (flat_ids, flat_ids, flat_ids), (t * k if compact else n_exp) * m_blocks, common)  # rows, block experts unread
+                   (flat_ids, flat_ids, flat_ids), programs, common)  # rows and block experts unread
 
 
 QUANT_ROWS = 16  # rows per quantising program
