@@ -34,7 +34,10 @@ class Mesh:
         self.cfg = load_config(self.config_path)
         self.log_dir = Path(log_dir or REPO_ROOT / ".cache" / "logs")
         self.stages = stages
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # gRPC's fork handlers off unless asked for: a stage forks only to exec (compilers, spawned preprocessing
+        # workers), and with them on, grpcio restarted its poller in such a child, which aborted on the epoll fd the
+        # child had closed (a thinker died that way while starting, once in a CI run).
+        self.env = {"GRPC_ENABLE_FORK_SUPPORT": "false", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), self.env.get("PYTHONPATH", "")]))
         self.procs: dict[str, subprocess.Popen] = {}
 

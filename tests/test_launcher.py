@@ -78,3 +78,16 @@ def test_launch_with_overrides(tiny_model, tmp_path):
     assert proc.returncode == 0, "".join(lines) + rest
     for stage in ("thinker", "talker"):
         assert "engine: native" in (tmp_path / "logs" / f"{stage}-0.log").read_text(), stage
+
+
+def test_stages_start_with_grpcs_fork_handlers_off(tiny_model, tmp_path, monkeypatch):
+    """Stages fork only to exec; gRPC's fork handlers in such a child once aborted a starting thinker. The launcher
+    turns them off for the processes it starts, unless the caller's environment or `env` says otherwise."""
+    from services.launch import Mesh
+
+    config = write_config(tmp_path / "m.yaml", tiny_model)
+    monkeypatch.delenv("GRPC_ENABLE_FORK_SUPPORT", raising=False)
+    assert Mesh(config).env["GRPC_ENABLE_FORK_SUPPORT"] == "false"
+    monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "true")
+    assert Mesh(config).env["GRPC_ENABLE_FORK_SUPPORT"] == "true"
+    assert Mesh(config, env={"GRPC_ENABLE_FORK_SUPPORT": "0"}).env["GRPC_ENABLE_FORK_SUPPORT"] == "0"
