@@ -28,25 +28,31 @@ def chat_prompts(cfg: MeshConfig, seed: int):
 
 def experts_touched(engine, seqs: list, rows: int, steps: int = 4) -> dict | None:
     """How many experts a decode step of `rows` tokens chooses per layer (median and range over layers and
-    `steps` more steps): what a step reads of the experts' weights. Read from forward hooks, so only steps that
-    run eagerly count (captured decode runs no Python: set cuda_graph_max_batch=0); None if none did."""
+    `steps` more steps, and each layer's median, first layer first): what a step reads of the experts' weights.
+    Read from forward hooks, so only steps that run eagerly count (captured decode runs no Python: set
+    cuda_graph_max_batch=0); None if none did."""
     from services.llm.fp8 import Fp8Experts
     from services.llm.layers import Experts
 
-    counts = []
+    layers = [m for m in engine.model.modules() if isinstance(m, (Experts, Fp8Experts))]
+    counts: dict[int, list[int]] = {i: [] for i in range(len(layers))}
 
-    def hook(module, inputs, output):
-        x, ids = inputs[0], inputs[1]
-        if x.shape[0] == rows:
-            counts.append(ids.unique().numel())  # a device sync: this pass is not timed
+    def hook_for(layer: int):
+        def hook(module, inputs, output):
+            x, ids = inputs[0], inputs[1]
+            if x.shape[0] == rows:
+                counts[layer].append(ids.unique().numel())  # a device sync: this pass is not timed
+        return hook
 
-    handles = [m.register_forward_hook(hook) for m in engine.model.modules() if isinstance(m, (Experts, Fp8Experts))]
+    handles = [m.register_forward_hook(hook_for(i)) for i, m in enumerate(layers)]
     try:
         for _ in range(steps):
             engine.step(seqs)
     finally:
         for h in handles:
             h.remove()
-    if not counts:
+    every = [c for per_layer in counts.values() for c in per_layer]
+    if not every:
         return None
-    return {"median": statistics.median(counts), "min": min(counts), "max": max(counts), "layer_steps": len(counts)}
+    return {"median": statistics.median(every), "min": min(every), "max": max(every), "layer_steps": len(every),
+            "by_layer": [statistics.median(c) if c else None for c in counts.values()]}

@@ -399,6 +399,7 @@ def test_thinker_stage_with_chat_prompts_counts_the_experts_a_step_reads(bench_d
     by = {results.cell_key(c): c for c in results.read(out)["cells"]}
     one = by[(("stage", "thinker"), ("mode", "decode"), ("batch", 1), ("prompt_len", 24))]["experts_touched"]
     assert one["min"] == one["max"] == text.num_experts_per_tok and one["layer_steps"] == 4 * text.num_hidden_layers
+    assert one["by_layer"] == [text.num_experts_per_tok] * text.num_hidden_layers
     four = by[(("stage", "thinker"), ("mode", "decode"), ("batch", 4), ("prompt_len", 24))]["experts_touched"]
     assert text.num_experts_per_tok <= four["min"] <= four["max"] <= min(text.num_experts, 4 * text.num_experts_per_tok)
     cfg = load_mesh_config(bench_dir / "mesh.yaml")
