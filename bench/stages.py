@@ -163,17 +163,20 @@ def hf_thinker_cells(cfg: MeshConfig, device: str, args):
     from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
 
     from bench.hf_engine import StepTimes
-    from services.model.load import load_config
+    from services.model.load import component_seed, init_weights_, load_config
 
     logging.set_verbosity_error()
     dtype, dev = DTYPES[cfg.model.dtype], torch.device(device)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with dev:  # transformers' own random init, on the device: speed does not depend on the values
+        with dev:
             model = Qwen3OmniMoeThinkerForConditionalGeneration(load_config(cfg.model.dir).thinker_config).eval()
     finally:
         torch.set_default_dtype(default)
+    # The random load format's weights, as the native thinker's: an experts step costs what it chooses, and what it
+    # chooses depends on the values (bench/routing.py), so transformers' own init would not measure the same model.
+    init_weights_(model, component_seed(cfg.model.seed, "thinker"), skip=("visual.", "audio_tower."), lm=True)
 
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.text_config.vocab_size

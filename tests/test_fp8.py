@@ -64,7 +64,9 @@ def test_thinker_with_fp8_experts_stays_close(tiny_model):
         with step_context(engine.attention.plan([SeqSlice(list(range(4)), 0, 7)]), "loop"):
             outs.append(engine.model(x, positions)[0])
     rel = (outs[1] - outs[0]).norm() / outs[0].norm()
-    assert 0 < rel < 0.05, rel  # changed by quantisation, but only by its rounding
+    # changed by quantisation, but only by its rounding: e4m3 leaves one experts layer 4.6-4.9% off in relative L2
+    # (bench/results/moe-1xh200-route-3875759.json), and two layers compound it (6.4% with seed 2)
+    assert 0 < rel < 0.08, rel
 
 
 def test_engines_serve_with_fp8_experts(tiny_model, hf_model):

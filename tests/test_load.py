@@ -56,3 +56,23 @@ def test_random_format_is_seeded_and_matches_the_whole_model(tiny_model):
         assert all(torch.equal(v, ref.state_dict()[k]) for k, v in ours.items()), name
     other = load_component("talker", tiny_model, load_format="random", seed=4).state_dict()
     assert not torch.equal(other["codec_head.weight"], refs["talker"].state_dict()["codec_head.weight"])
+
+
+def test_random_language_models_are_initialised_as_for_training(tiny_model):
+    """The thinker's and talker's random weights: token embeddings ~ N(0, 1) and each decoder layer's residual output
+    projections at 1 / sqrt(2 x layers) of the 1/fan_in every other matrix gets (bench/routing.py: with all at
+    1/fan_in, requests with prompts of few token types chose the same experts)."""
+    import math
+
+    cfg = load_config(tiny_model)
+    thinker = load_component("thinker", tiny_model, load_format="random", seed=1)
+    text = cfg.thinker_config.text_config
+    layer = thinker.model.layers[0]
+    assert abs(thinker.model.embed_tokens.weight.std().item() - 1) < 0.05
+    scale = 1 / math.sqrt(2 * text.num_hidden_layers)
+    o_proj = layer.self_attn.o_proj.weight
+    assert abs(o_proj.std().item() * math.sqrt(o_proj.shape[1]) / scale - 1) < 0.15
+    down = layer.mlp.experts.down_proj
+    assert abs(down.std().item() * math.sqrt(down.shape[-1]) / scale - 1) < 0.1
+    q_proj = layer.self_attn.q_proj.weight  # not a residual output: 1/fan_in as before
+    assert abs(q_proj.std().item() * math.sqrt(q_proj.shape[1]) - 1) < 0.1

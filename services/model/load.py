@@ -209,7 +209,8 @@ def load_weights_(module: nn.Module, name: str, model_dir: str | Path | None, dt
                   load_format: str = "auto", seed: int = 0) -> nn.Module:
     """Fills any module whose parameters are named like component `name`'s (ours or transformers')."""
     if load_format == "random":
-        init_weights_(module, component_seed(seed, name), conv_gain=0.6 if name == "code2wav" else 1.0)
+        init_weights_(module, component_seed(seed, name), conv_gain=0.6 if name == "code2wav" else 1.0,
+                      lm=name in ("thinker", "talker"))
         return module
     children = {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
     tensors = read_tensors(model_dir, COMPONENTS[name].prefix, lambda k: k.split(".", 1)[0] in children)
@@ -236,22 +237,48 @@ def component_seed(seed: int, name: str) -> int:
 def init_full_model_(model: nn.Module, seed: int) -> None:
     """Gives a whole transformers Qwen3-Omni the weights `load_component(..., load_format="random")` gives
     each of its components, so the transformers baseline and our stages run the same model."""
-    init_weights_(model.thinker, component_seed(seed, "thinker"), skip=("visual.", "audio_tower."))
+    init_weights_(model.thinker, component_seed(seed, "thinker"), skip=("visual.", "audio_tower."), lm=True)
     init_weights_(model.thinker.visual, component_seed(seed, "vision"))
     init_weights_(model.thinker.audio_tower, component_seed(seed, "audio"))
     if getattr(model, "has_talker", False):
-        init_weights_(model.talker, component_seed(seed, "talker"))
+        init_weights_(model.talker, component_seed(seed, "talker"), lm=True)
         init_weights_(model.code2wav, component_seed(seed, "code2wav"), conv_gain=0.6)
 
 
+# A language model's projections back into its residual stream, in decoder layer `i` (attention output, MLP and
+# experts down projections): scaled by 1 / sqrt(2 x layers) in random weights (see init_weights_).
+_RESIDUAL_OUT = re.compile(r"^(?P<stack>(.*\.)?layers)\.(?P<i>\d+)\.(self_attn\.o_proj\.weight|mlp\.(experts\.)?down_proj(\.weight)?"
+                           r"|mlp\.shared_expert\.down_proj\.weight)$")
+
+
+def _residual_scales(names: list[str]) -> dict[str, float]:
+    """1 / sqrt(2 x layers of its stack) for each residual output projection among `names`."""
+    layers: dict[str, int] = defaultdict(int)
+    matches = {n: m for n in names if (m := _RESIDUAL_OUT.match(n))}
+    for m in matches.values():
+        layers[m["stack"]] = max(layers[m["stack"]], int(m["i"]) + 1)
+    return {n: 1 / math.sqrt(2 * layers[m["stack"]]) for n, m in matches.items()}
+
+
 @torch.no_grad()
-def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tuple[str, ...] = ()) -> None:
+def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tuple[str, ...] = (),
+                  lm: bool = False) -> None:
     """Draws every parameter from one seeded generator on the module's device, in name order.
 
     Norm weights start at 1, biases near 0, every other tensor ~ N(0, 1/fan_in); convolutions are scaled
     by `conv_gain`. The same seed gives the same weights wherever the same module is built.
+
+    `lm` (the thinker, the talker): token embeddings ~ N(0, 1) and each decoder layer's residual output
+    projections scaled by 1 / sqrt(2 x layers), as language models are initialised for training. With every
+    tensor at 1/fan_in instead, a token's embedding is small beside what attention averages over its context,
+    so requests whose prompts share their few token types (the benchmark's chat-template ASCII) reach every
+    layer nearly alike and choose the same experts: 16 requests chose 47 distinct experts a layer, not the 82
+    that 16 x 8 independent choices of 128 give and that random-id prompts reach (the thinker's full width,
+    10 layers, on the CPU). The experts a step reads are its cost, so a benchmark on such weights reads half of
+    what real weights make it read. With these scales the same prompts reach 78 (6 layers).
     """
     params = sorted(((n, p) for n, p in module.named_parameters() if not n.startswith(skip)), key=lambda kv: kv[0])
+    residual = _residual_scales([n for n, _ in params]) if lm else {}
     device = params[0][1].device
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -266,7 +293,9 @@ def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tu
             p.copy_(randn(p.shape) * 0.02)
         elif leaf == "scale":
             p.fill_(0.1)
+        elif lm and name.endswith("embed_tokens.weight"):
+            p.copy_(randn(p.shape))
         else:
             is_conv = p.dim() == 3 and "experts" not in name
             fan_in = p[0].numel() if is_conv else p.shape[-1]
-            p.copy_(randn(p.shape) * (conv_gain if is_conv else 1.0) / math.sqrt(fan_in))
+            p.copy_(randn(p.shape) * (conv_gain if is_conv else 1.0) * residual.get(name, 1.0) / math.sqrt(fan_in))
