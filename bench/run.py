@@ -22,7 +22,6 @@ import grpc
 from bench import results, stagecpu
 from bench.loadgen import LoopResult, MeshClient
 from bench.records import summarize
-from bench.stagecpu import StageCpu
 from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select
 from services.runtime.config import REPO_ROOT, load_config, read_overridden, write_overridden
 
@@ -131,7 +130,7 @@ class MeshRunner:
     note = ""
     failure_blocks_larger = False  # a failure at one concurrency says nothing about the next
 
-    def __init__(self, client: MeshClient, media: MediaSpec, seed: int, cpu: StageCpu | None = None):
+    def __init__(self, client: MeshClient, media: MediaSpec, seed: int, cpu: stagecpu.StageCpu | None = None):
         self.client, self.media, self.seed, self.cpu = client, media, seed, cpu
 
     async def __call__(self, w: Workload, indices: list[int], concurrency: int, deadline: float | None) -> LoopResult:
@@ -221,7 +220,7 @@ class Sweep:
                 failed_at[w.name] = min(b, failed_at.get(w.name, b))
             self.add(cell)
 
-    async def mesh(self, address: str, stage_died, wait_ready: float = 0.0, cpu: StageCpu | None = None) -> None:
+    async def mesh(self, address: str, stage_died, wait_ready: float = 0.0, cpu: stagecpu.StageCpu | None = None) -> None:
         client = MeshClient(address, self.args.channels, self.args.request_timeout)
         try:
             deadline = time.perf_counter() + wait_ready
@@ -359,7 +358,7 @@ def main(argv=None) -> dict:
         print(f"mesh of {args.config} healthy after {run['launch_s']:.0f}s", flush=True)
 
         try:
-            asyncio.run(sweep.mesh(mesh.gateway_address, lambda w: dead_stages(mesh.procs, w), cpu=StageCpu(cfg)))
+            asyncio.run(sweep.mesh(mesh.gateway_address, lambda w: dead_stages(mesh.procs, w), cpu=stagecpu.StageCpu(cfg)))
         finally:
             run["stage_exit_codes"] = mesh.stop()
     else:  # a mesh started apart (services.launch with the same --config and --set), perhaps still starting
@@ -367,7 +366,7 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             wait_serving(cfg, args.wait_ready)
             run["wait_ready_s"] = time.perf_counter() - t0
-        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda w: "", args.wait_ready, StageCpu(cfg)))
+        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda w: "", args.wait_ready, stagecpu.StageCpu(cfg)))
     run.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=time.perf_counter() - started)
     results.write(result, args.out)
     print(f"wrote {args.out} ({len(result['cells'])} cells, {run['wall_s']:.0f}s)", flush=True)
