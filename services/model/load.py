@@ -275,7 +275,8 @@ def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tu
     layer nearly alike and choose the same experts: 16 requests chose 47 distinct experts a layer, not the 82
     that 16 x 8 independent choices of 128 give and that random-id prompts reach (the thinker's full width,
     10 layers, on the CPU). The experts a step reads are its cost, so a benchmark on such weights reads half of
-    what real weights make it read. With these scales the same prompts reach 78 (6 layers).
+    what real weights make it read. With these scales the same prompts reach 80 (bench/results/
+    cpu-routing-10-layers*.json, `python -m bench.routing`).
     """
     params = sorted(((n, p) for n, p in module.named_parameters() if not n.startswith(skip)), key=lambda kv: kv[0])
     residual = _residual_scales([n for n, _ in params]) if lm else {}
