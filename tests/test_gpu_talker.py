@@ -116,7 +116,7 @@ def test_prompt_steps_replayed_in_pieces_track_eager_ones(tmp_path):
 
     model_dir = build_full_skeleton(tmp_path / "model")
     engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512, max_seqs=16, moe="triton",
-                          attention="flashinfer", cuda_graph_max_batch=8, step_graphs=256)
+                          attention="flashinfer", cuda_graph_max_batch=8, step_graphs=512)
     assert engine.pieces is not None and engine.pieces.graphs
     pieces, engine.pieces = engine.pieces, None
     seqs = speech_requests(engine, model_dir)
@@ -126,6 +126,8 @@ def test_prompt_steps_replayed_in_pieces_track_eager_ones(tmp_path):
             engine._admit(s)
         work = engine.scheduler.schedule()
         assert len(work) == 3 and all(w.start == 0 for w in work)
+        rows = sum(w.n for w in work)
+        assert rows <= pieces.max_tokens, f"{rows} prompt rows: more than the pieces hold ({pieces.max_tokens})"
         eager = engine._rows(work).float()
         engine.pieces = pieces
         replayed = engine._rows(work).float()
