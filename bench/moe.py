@@ -45,12 +45,16 @@ def graph_ms(fn, iters: int) -> float:
     return 1000 * (time.perf_counter() - t0) / iters
 
 
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
 def timed_shapes(shapes, chooser: str, backend: str, x, ids, w, module, iters: int) -> list[dict]:
-    """Each tile shape (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `shapes` put in place of triton_moe's
-    `chooser` and timed under `backend`, fastest first (shapes that fail, e.g. past shared memory, last)."""
+    """Each tile shape of `shapes` (tuples of TILE_KEYS' values, or whole dicts as the chooser returns them) put
+    in place of triton_moe's `chooser` and timed under `backend`, fastest first (shapes that fail, e.g. past
+    shared memory, last)."""
     default, timed = getattr(triton_moe, chooser), []
-    for bm, bn, bk, warps, stages in shapes:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    for shape in shapes:
+        cfg = shape if isinstance(shape, dict) else dict(zip(TILE_KEYS, shape))
         setattr(triton_moe, chooser, lambda *_, cfg=cfg: cfg)
         try:
             with step_context(None, backend):
@@ -62,19 +66,28 @@ def timed_shapes(shapes, chooser: str, backend: str, x, ids, w, module, iters: i
     return sorted(timed, key=lambda c: c.get("ms", float("inf")))
 
 
-def tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
-    """The decode kernels' tile shapes on a small grid at n tokens (bf16 or fp8 per-channel experts). Narrow N
-    tiles are in it for the few tokens of small batches: at one token only the 8 chosen experts' programs have
-    work (96 of gate_up's with N tiles of 64, fewer than the H200's 132 SMs), so more, narrower ones may keep
-    more of the weights' bytes in flight."""
+def tile_sweep(n: int, x, ids, w, module, iters: int) -> tuple[list[dict], list[dict]]:
+    """The decode kernels' tile shapes on a small grid at n tokens (bf16, fp8 per channel, or fp8 with e4m3
+    activations), both kernels alike; then, from the fastest, the down kernel's own N tile, warps and stages
+    (its reduction is 768 long where gate/up's is 2,048). Narrow N tiles are in it for the few tokens of small
+    batches: at one token only the 8 chosen experts' programs have work (96 of gate_up's with N tiles of 64,
+    fewer than the H200's 132 SMs), so more, narrower ones may keep more of the weights' bytes in flight.
+    Returns (shapes, down kernel's shapes beside the best), each fastest first."""
     fp8 = isinstance(module, Fp8Experts)
     if fp8 and module.activations:  # e4m3 inputs are scaled per 128 channels: K tiles of 128; fp8 tiles are half
         # the bytes of bf16's, so wider N tiles and deeper pipelines fit the same shared memory
         shapes = [s for s in itertools.product((16, 32), (64, 128, 256), (128,), (4, 8), (3, 4)) if s[0] <= max(16, n)]
-        return timed_shapes(shapes, "_tiles", "triton", x, ids, w, module, iters)
-    shapes = [s for s in itertools.product((16, 32), (16, 32, 64, 128), (128, 256) if fp8 else (128,), (4, 8), (3, 5))
-              if s[0] <= max(16, n)]
-    return timed_shapes(shapes, "_tiles", "triton", x, ids, w, module, iters)
+    else:
+        shapes = [s for s in itertools.product((16, 32), (16, 32, 64, 128), (128, 256) if fp8 else (128,), (4, 8), (3, 5))
+                  if s[0] <= max(16, n)]
+    timed = timed_shapes(shapes, "_tiles", "triton", x, ids, w, module, iters)
+    if "ms" not in timed[0]:
+        return timed, []
+    best = {key: timed[0][key] for key in TILE_KEYS}
+    downs = [{**best, "down": dict(zip(triton_moe.DOWN_KEYS, s))}
+             for s in itertools.product((32, 64, 128, 256), (4, 8), (3, 4, 5))
+             if s != (best["BLOCK_N"], best["num_warps"], best["num_stages"])]
+    return timed, timed_shapes([best, *downs], "_tiles", "triton", x, ids, w, module, iters)
 
 
 def sorted_tile_sweep(n: int, x, ids, w, module, iters: int) -> list[dict]:
@@ -156,7 +169,8 @@ def main(argv=None):
             if n in tiles_at:
                 for way in args.tile_ways.split(","):
                     module = {"bf16": experts, "fp8": channel, "fp8a8": ways["fp8a8_triton"][0]}[way]
-                    cell[f"tiles_{way}"] = tile_sweep(n, x, ids, w, module, args.iters)[:6]
+                    shapes, downs = tile_sweep(n, x, ids, w, module, args.iters)
+                    cell[f"tiles_{way}"], cell[f"down_tiles_{way}"] = shapes[:6], downs[:6]
             if n in sorted_tiles_at:
                 cell["sorted_tiles_bf16"] = sorted_tile_sweep(n, x, ids, w, experts, args.iters)[:6]
                 cell["sorted_tiles_fp8"] = sorted_tile_sweep(n, x, ids, w, channel, args.iters)[:6]

@@ -63,6 +63,28 @@ for t in (1, 2, 5, 17, 40):
         ref = a8_loop(x, ids, w, fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
         got = triton_moe.experts(x, ids, w, gq, dq, gs, ds, block, fp8_activations=True)
         out[f"fp8-{block or 'channel'}-a8/{t}"] = rel(got, ref)
+# The down kernel on tiles of its own (N tile 128, as bench.moe's down sweep may choose), BLOCK_M and BLOCK_K shared.
+default_tiles = triton_moe._tiles
+triton_moe._tiles = lambda *_: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2,
+                                    down=dict(BLOCK_N=128, num_warps=2, num_stages=3))
+for t in (2, 17):
+    x = torch.randn(t, H).to(torch.bfloat16)
+    w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+    out[f"down-tiles-bf16/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down),
+                                      moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float()))
+    (gq, gs), (dq, ds) = fp8.quantize(gate_up, 128), fp8.quantize(down, 128)
+    ref = a8_loop(x, ids, w, fp8.dequantize(gq, gs, 128), fp8.dequantize(dq, ds, 128))
+    out[f"down-tiles-fp8-128-a8/{t}"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds, 128, fp8_activations=True), ref)
+triton_moe._tiles = lambda *_: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2, down=dict(BLOCK_K=64))
+try:
+    triton_moe.experts(x, ids, w, gate_up, down)
+    out["down-tiles-refused"] = False
+except ValueError as e:
+    out["down-tiles-refused"] = "BLOCK_K" in str(e)
+triton_moe._tiles = default_tiles
 # Activations past fp16's range (the fp8 weights' dots are in fp16): saturated at 65,504, not inf.
 x = torch.randn(2, H).to(torch.bfloat16)
 x[0, :4] = 1e5
@@ -118,7 +140,8 @@ def test_triton_experts_equal_the_loop_over_experts():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
     assert out.pop("quantize") == {"q": True, "scale": True, "dtypes": ["torch.float8_e4m3fn", "torch.float32"]}
-    assert len(out) == 47 and len(routes) == 3
+    assert out.pop("down-tiles-refused") is True  # only the N tile, warps and stages are the down kernel's own
+    assert len(out) == 51 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out
     # e4m3 activations: each projection alone matches to float32 rounding, but a bf16 rounding of silu(gate) * up

@@ -277,6 +277,12 @@ if triton is not None:
 # Tile shapes by token count. Measured on an H200 (bench/moe.py --tiles, bench/results/moe-1xh200-tiles.json):
 # at 1 and 32 tokens the best eight bf16 shapes lie within 3% of each other, so one narrow shape serves decode.
 # fp8 reads half the bytes per tile with the same shapes; wider K tiles for it are not measured yet.
+# A shape may carry `down`: the down projection's own BLOCK_N, num_warps and num_stages (its reduction is the
+# intermediate size, 768 in the thinker, where gate/up's is the hidden size, 2,048); BLOCK_M and BLOCK_K are
+# shared, as both kernels take the same programs' rows and the same 128-channel activation scales.
+DOWN_KEYS = ("BLOCK_N", "num_warps", "num_stages")
+
+
 def _tiles(tokens: int, fp8: bool = False) -> dict:
     if tokens <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -319,7 +325,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
         raise ValueError(f"tile scales of {block} x {block}: the kernels read 128 x 128 tiles")
     if fp8_activations and (scale == SCALE_NONE or gate_up.dtype != torch.float8_e4m3fn):
         raise ValueError("fp8 activations need e4m3 expert weights with their scales")
-    cfg = _tiles(t, scale != SCALE_NONE)
+    cfg = dict(_tiles(t, scale != SCALE_NONE))
+    down_tiles = cfg.pop("down", {})
     if fp8_activations and cfg["BLOCK_K"] != 128:
         raise ValueError(f"fp8 activations are scaled per 128 channels: the kernels' K tile is {cfg['BLOCK_K']}")
     # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter (the tests), whose bf16 dot is wrong;
@@ -335,7 +342,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
                   COMPACT=compact, **cfg)
     programs = (t * k if compact else n_exp) * m_blocks
     return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
-                   (flat_ids, flat_ids, flat_ids), programs, common)  # rows and block experts unread
+                   (flat_ids, flat_ids, flat_ids), programs, common, down_tiles)  # rows and block experts unread
 
 
 QUANT_ROWS = 16  # rows per quantising program
@@ -356,14 +363,19 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual, ptrs: tuple, programs: int,
-            common: dict) -> torch.Tensor:
+            common: dict, down_tiles: dict | None = None) -> torch.Tensor:
     """The gate/up, down and combining kernels of `experts` and `experts_sorted`: `programs` row blocks, whose
-    rows the kernels find in the ids or read from `align`'s (`ptrs`: ids, rows, block experts; SORTED)."""
+    rows the kernels find in the ids or read from `align`'s (`ptrs`: ids, rows, block experts; SORTED); the
+    down kernel with `down_tiles` (DOWN_KEYS) in place of those of `common`."""
     t, k = ids.shape
     n_exp, two_i, h = gate_up.shape
-    i, bn, bk = two_i // 2, common["BLOCK_N"], common["BLOCK_K"]
-    if h % bk or i % bk or i % bn or h % bn or h % COMBINE_BLOCK:
-        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {bk})")
+    i, bk = two_i // 2, common["BLOCK_K"]
+    if set(down_tiles or {}) - set(DOWN_KEYS):
+        raise ValueError(f"the down kernel's own tiles are {DOWN_KEYS}, not {sorted(set(down_tiles) - set(DOWN_KEYS))}")
+    down_common = {**common, **(down_tiles or {})}
+    bn, dn = common["BLOCK_N"], down_common["BLOCK_N"]
+    if h % bk or i % bk or i % bn or h % dn or h % COMBINE_BLOCK:
+        raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {dn}, {bk})")
     x, r = x.contiguous(), t * k
     act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up of every routed row
     y = torch.empty(r, h, device=x.device, dtype=torch.float32)  # every routed row's output, weighted
@@ -378,9 +390,9 @@ def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
             a, a_scale, gate_up, su, *ptrs, act, r, n_exp, h, i, k, a.stride(0), a_scale.stride(0), gate_up.stride(0),
             gate_up.stride(1), su.stride(0), su_n, act.stride(0), **common)
         a, a_scale = quantize_groups(act) if common["A8"] else (act, act)
-        _down_kernel[(programs, h // bn)](
+        _down_kernel[(programs, h // dn)](
             a, a_scale, down, sd, *ptrs, weights.reshape(-1).contiguous(), y, r, n_exp, i, a.stride(0), a_scale.stride(0),
-            down.stride(0), down.stride(1), sd.stride(0), sd_n, y.stride(0), **common)
+            down.stride(0), down.stride(1), sd.stride(0), sd_n, y.stride(0), **down_common)
         out = torch.empty(t, h, device=x.device, dtype=x.dtype)
         res = residual.contiguous() if residual is not None else out  # unread without HAS_RES
         _combine_kernel[(t, h // COMBINE_BLOCK)](y, res, out, h, k, residual is not None, BLOCK_H=COMBINE_BLOCK)
