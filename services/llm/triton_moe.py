@@ -283,7 +283,9 @@ if triton is not None:
 DOWN_KEYS = ("BLOCK_N", "num_warps", "num_stages")
 
 
-def _tiles(tokens: int, fp8: bool = False) -> dict:
+def _tiles(tokens: int, fp8: bool = False, a8: bool = False) -> dict:
+    """The decode kernels' tile shape for a step of `tokens` tokens; `fp8`: fp8 weights, `a8`: e4m3 activations too
+    (their K tile must stay 128, the activations' scale groups)."""
     if tokens <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -325,7 +327,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
         raise ValueError(f"tile scales of {block} x {block}: the kernels read 128 x 128 tiles")
     if fp8_activations and (scale == SCALE_NONE or gate_up.dtype != torch.float8_e4m3fn):
         raise ValueError("fp8 activations need e4m3 expert weights with their scales")
-    cfg = dict(_tiles(t, scale != SCALE_NONE))
+    cfg = dict(_tiles(t, scale != SCALE_NONE, fp8_activations))
     down_tiles = cfg.pop("down", {})
     if fp8_activations and cfg["BLOCK_K"] != 128:
         raise ValueError(f"fp8 activations are scaled per 128 channels: the kernels' K tile is {cfg['BLOCK_K']}")
