@@ -82,7 +82,9 @@ def stage_cpu(group: str, cells: list[dict]) -> list[str]:
     if not names:
         return []
     lines = [f"CPU of each stage process over {group}'s cells, % of one core (100%: a Python process's main thread "
-             "can do no more):", "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+             "can do no more; but a GPU stage's thread waiting on its device spins there, CUDA's default wait, so a GPU "
+             "stage near 100% is not thereby bound by its host):", "", "| cell | " + " | ".join(names) + " |",
+             "|---" * (len(names) + 1) + "|"]
     for cell in cells:
         cpu = cell.get("stage_cpu_frac") or {}
         label = key_label(tuple(kv for kv in cell_key(cell) if kv[0] not in ("workload", "stage", "mode")))
