@@ -7,8 +7,10 @@ through a pipe, standing in for gRPC), and the consumer's get (read into its own
 synchronised). "ready" = put + get: how long after the producer starts handing over the tensor is
 in the consumer's hands, message time excluded. --cross-gpu-read source,pull measures both ways a GPU reads
 another GPU's pool (transport.cross_gpu_read), --ipc-events off,on a put that waits for its copy against one
-whose consumer waits on the device (transport.ipc_events). With --profile DIR, each side's measured puts or gets run
-under cProfile, its busiest functions written to DIR (where the fixed hundred-odd microseconds go).
+whose consumer waits on the device (transport.ipc_events). --waits sleep,spin: between rounds each side blocks on
+the pipe (its thread descheduled, as a stage's thread waiting for its next request is) or polls it without
+sleeping: how much of a put's and a get's fixed cost is the thread and the GPU waking up, not the transport.
+With --profile DIR, each side's measured puts or gets run under cProfile, its busiest functions written to DIR.
 """
 
 import argparse
@@ -54,7 +56,14 @@ class _Profile:
                 f.write(text.getvalue())
 
 
-def _producer(cfg: TransportConfig, device: str, nbytes: int, cuda: bool, reps: int, conn, profile: str = "") -> None:
+def _wait(conn, spin: bool) -> None:
+    """Until `conn` has something to read: polling it in a loop (`spin`), else blocked in the kernel."""
+    while spin and not conn.poll(0):
+        pass
+
+
+def _producer(cfg: TransportConfig, device: str, nbytes: int, cuda: bool, reps: int, conn, profile: str = "",
+              spin: bool = False) -> None:
     from services.runtime.transport import Transport
 
     t = Transport(cfg, "benchprod", "local" if cuda else "")
@@ -62,7 +71,8 @@ def _producer(cfg: TransportConfig, device: str, nbytes: int, cuda: bool, reps: 
     x = torch.randn(nbytes // 2, device=device).to(torch.bfloat16)
     prof = _Profile(profile)
     for i in range(reps + 5):
-        torch.cuda.synchronize(device)
+        if x.is_cuda:
+            torch.cuda.synchronize(device)
         if i >= 5:  # the measured rounds
             prof.start()
         t0 = time.perf_counter()
@@ -72,6 +82,7 @@ def _producer(cfg: TransportConfig, device: str, nbytes: int, cuda: bool, reps: 
         prof.stop()
         conn.send_bytes(data)
         conn.send((t0, t1))
+        _wait(conn, spin)
         conn.recv()  # the consumer is done: the next round starts from a quiet machine
     prof.finish()
     conn.close()
@@ -79,7 +90,7 @@ def _producer(cfg: TransportConfig, device: str, nbytes: int, cuda: bool, reps: 
     t.close()
 
 
-def _consumer(cfg: TransportConfig, device: str, reps: int, conn, out, profile: str = "") -> None:
+def _consumer(cfg: TransportConfig, device: str, reps: int, conn, out, profile: str = "", spin: bool = False) -> None:
     from services.runtime.transport import Transport
 
     t = Transport(cfg, "benchcons", "local")
@@ -87,6 +98,7 @@ def _consumer(cfg: TransportConfig, device: str, reps: int, conn, out, profile: 
     rows = []
     prof = _Profile(profile)
     for i in range(reps + 5):
+        _wait(conn, spin)
         data = conn.recv_bytes()
         t0, t1 = conn.recv()
         if i >= 5:
@@ -102,13 +114,15 @@ def _consumer(cfg: TransportConfig, device: str, reps: int, conn, out, profile: 
     out.put(rows)
 
 
-def measure(cfg: TransportConfig, src: str, dst: str, nbytes: int, cuda: bool, reps: int, profile: str = "") -> dict:
-    """One cell; with `profile` (a path prefix), each side's cProfile report at PREFIX-put.txt and PREFIX-get.txt."""
+def measure(cfg: TransportConfig, src: str, dst: str, nbytes: int, cuda: bool, reps: int, profile: str = "",
+            spin: bool = False) -> dict:
+    """One cell; with `profile` (a path prefix), each side's cProfile report at PREFIX-put.txt and PREFIX-get.txt;
+    with `spin`, both sides poll the pipe between rounds instead of sleeping on it."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_producer, args=(cfg, src, nbytes, cuda, reps, a, profile and f"{profile}-put.txt")),
-             ctx.Process(target=_consumer, args=(cfg, dst, reps, b, out, profile and f"{profile}-get.txt"))]
+    procs = [ctx.Process(target=_producer, args=(cfg, src, nbytes, cuda, reps, a, profile and f"{profile}-put.txt", spin)),
+             ctx.Process(target=_consumer, args=(cfg, dst, reps, b, out, profile and f"{profile}-get.txt", spin))]
     for p in procs:
         p.start()
     rows = out.get(timeout=600)
@@ -137,7 +151,10 @@ def main(argv=None) -> None:
                         help="transport.cross_gpu_read, one or more of source,pull: across GPUs, a cell for each")
     parser.add_argument("--ipc-events", default="off",
                         help="transport.ipc_events, one or more of off,on: CUDA IPC cells for each")
+    parser.add_argument("--waits", default="sleep", help="one or more of sleep,spin: how each side waits between rounds")
     args = parser.parse_args(argv)
+    if set(args.waits.split(",")) - {"sleep", "spin"}:
+        parser.error(f"--waits takes sleep and/or spin, not {args.waits!r}")
     cfg = dataclasses.replace(CFG, read_lanes=args.read_lanes)
     gpus = torch.cuda.device_count()
     routes = {"same": ("same GPU", "cuda:0", "cuda:0"), "across": ("GPU0 -> GPU1", "cuda:0", "cuda:1")}
@@ -155,13 +172,13 @@ def main(argv=None) -> None:
                 transport, cuda = transports[key]
                 reads = args.cross_gpu_read.split(",") if cuda and src != dst else ["source"]
                 events = args.ipc_events.split(",") if cuda else ["off"]
-                for read, ev in [(r, e) for r in reads for e in events]:
+                for read, ev, wait in [(r, e, w) for r in reads for e in events for w in args.waits.split(",")]:
                     name = ", ".join([transport] + ([read] if len(reads) > 1 or read != "source" else [])
-                                     + (["events"] if ev == "on" else []))
-                    profile = args.profile and os.path.join(args.profile, f"{src[-1]}to{dst[-1]}-{label}-{key}-{read}-{ev}")
+                                     + (["events"] if ev == "on" else []) + (["spin"] if wait == "spin" else []))
+                    profile = args.profile and os.path.join(args.profile, f"{src[-1]}to{dst[-1]}-{label}-{key}-{read}-{ev}-{wait}")
                     variant = dataclasses.replace(cfg, cross_gpu_read=read, ipc_events=ev == "on")
                     cell = {"route": route, "size": label, "transport": name, "cross_gpu_read": read, "ipc_events": ev == "on",
-                            **measure(variant, src, dst, nbytes, cuda, args.reps, profile)}
+                            "waits": wait, **measure(variant, src, dst, nbytes, cuda, args.reps, profile, wait == "spin")}
                     result["cells"].append(cell)
                     write(result, args.out)  # after every cell: a run cut short keeps what it measured
                     print(f"{route:13s} {label:5s} {name:22s} put {cell['put_us']:9.1f} us  get {cell['get_us']:9.1f} us  "
