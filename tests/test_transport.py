@@ -44,6 +44,20 @@ def test_round_trip_is_bit_exact(pair, placement):
     assert placement is not HERE or producer.pool.slots_in_use == 0
 
 
+def test_bytes_and_transfers_are_counted_by_transport_and_direction(pair):
+    producer, consumer = pair
+    value = lambda metric, *labels: metric.labels(*labels)._value.get()  # noqa: E731
+    keys = [(m, t, d) for m in (metrics.TRANSPORT_BYTES, metrics.TRANSPORT_TRANSFERS) for t in ("shm", "inline") for d in ("out", "in")]
+    before = {k: value(*k) for k in keys}
+    for placement in (HERE, HERE, ELSEWHERE):
+        consumer.get(producer.put(make(torch.float32, (100,)), placement))
+    moved = {(m.describe()[0].name, t, d): value(m, t, d) - before[m, t, d] for m, t, d in keys}
+    assert moved == {("omni_transport_bytes", "shm", "out"): 800, ("omni_transport_bytes", "shm", "in"): 800,
+                     ("omni_transport_bytes", "inline", "out"): 400, ("omni_transport_bytes", "inline", "in"): 400,
+                     ("omni_transport_transfers", "shm", "out"): 2, ("omni_transport_transfers", "shm", "in"): 2,
+                     ("omni_transport_transfers", "inline", "out"): 1, ("omni_transport_transfers", "inline", "in"): 1}
+
+
 def test_unreleased_slots_are_reclaimed(pair):
     producer, consumer = pair
     before = metrics.SHM_RECLAIMED.labels("shm")._value.get()
