@@ -8,9 +8,15 @@ block), prepares whatever the graph reads besides (an attention plan), replays, 
 rows of the outputs before the next replay overwrites them.
 """
 
+import itertools
 from typing import Callable
 
 import torch
+
+# A folder for each captured graph's DOT (cudaGraphDebugDotPrint), named by capture and batch size: set by
+# bench.graph_launch before an engine is made, to see what its graphs are made of. None: nothing kept.
+DUMP_DIR: str | None = None
+_captures = itertools.count()
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -30,6 +36,7 @@ class CapturedGraphs:
         self.replays = 0
         pool = None
         stream = torch.cuda.Stream(device)
+        capture = next(_captures)
         for b in sorted(sizes, reverse=True):
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
@@ -37,8 +44,12 @@ class CapturedGraphs:
                     body(b)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            if DUMP_DIR is not None:
+                graph.enable_debug_mode()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs = body(b)
+            if DUMP_DIR is not None:
+                graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}.dot")
             pool = graph.pool()
             self.graphs[b] = (graph, outputs)
         torch.cuda.synchronize(device)

@@ -1,0 +1,143 @@
+"""What launching a captured graph costs the host: straight chains of small kernels against the same kernels
+forked onto a second stream and joined back every few kernels, then the thinker's own decode graphs, timed the
+same way and described from their DOT (nodes by type, edges, whether they form one straight line). CUDA 12.6
+launches a straight line of kernel nodes in about constant time; the thinker's decode graph took 0.97 ms of
+host time a launch at 32 requests (cudaGraphLaunch in bench/results/profile-1xh200-b32-decode-plain-f29cb53.txt),
+most of issue 5's 1 ms for a whole step's host work.
+
+    python -m bench.graph_launch --config configs/bench-1xh200.yaml --set thinker.engine=native \\
+        --set thinker.moe=triton --set thinker.cuda_graph_max_batch=64 --set thinker.compile=true --out OUT.json
+"""
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from bench.results import machine, new_result, write
+
+# Statements of cudaGraphDebugDotPrint's DOT: edges `"g_node_1" -> "g_node_2" [...];` and nodes `"g_node_1" [...];`,
+# whose attributes (a label over several lines in its verbose form) name the node's type.
+EDGE = re.compile(r'"?(\w+_node_\d+)"?\s*->\s*"?(\w+_node_\d+)"?\s*(?:\[[^\]]*\])?\s*;?', re.S)
+NODE = re.compile(r'"?(\w+_node_\d+)"?\s*\[(.*?)\]\s*;?', re.S)
+TYPES = ("KERNEL", "MEMSET", "MEMCPY", "EVENT_RECORD", "WAIT_EVENT", "HOST", "EMPTY", "MEM_ALLOC", "MEM_FREE",
+         "CONDITIONAL", "GRAPH")
+
+
+def dot_summary(text: str) -> dict:
+    """A graph's nodes by type, its edges, and whether it is one straight line (each node one edge in and one
+    out, but the ends), from cudaGraphDebugDotPrint's DOT."""
+    ins, outs = Counter(), Counter()
+    edges = EDGE.findall(text)
+    for a, b in edges:
+        outs[a] += 1
+        ins[b] += 1
+    kinds = {name: next((t for t in TYPES if re.search(rf"\b{t}\b", attrs)), "OTHER")
+             for name, attrs in NODE.findall(EDGE.sub("", text))}
+    edges = len(edges)
+    n = len(kinds)
+    straight = n > 0 and edges == n - 1 and max(ins.values(), default=0) <= 1 and max(outs.values(), default=0) <= 1
+    return {"nodes": n, "edges": edges, "by_type": dict(Counter(kinds.values())), "straight_line": straight,
+            "max_in": max(ins.values(), default=0), "max_out": max(outs.values(), default=0)}
+
+
+def launch_us(graph: "torch.cuda.CUDAGraph", reps: int) -> float:
+    """The host's time in one replay of `graph`, median over `reps`, each from an idle device (nothing queued
+    before it, so none of it is waiting for room in the launch queue)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def capture(body, debug_path: str | None = None) -> "torch.cuda.CUDAGraph":
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    if debug_path:
+        graph.enable_debug_mode()
+    with torch.cuda.graph(graph, stream=stream):
+        body()
+    if debug_path:
+        graph.debug_dump(debug_path)
+    return graph
+
+
+def synthetic(kernels: int, fork_every: int, x: torch.Tensor, y: torch.Tensor, side: torch.cuda.Stream):
+    """`kernels` small kernels in a row; with `fork_every`, every that many of them one more runs on `side`,
+    forked from the main stream and joined back (a branch, as a second stream inside a step makes)."""
+    def body():
+        main = torch.cuda.current_stream()
+        for i in range(kernels):
+            x.add_(1)
+            if fork_every and i % fork_every == fork_every - 1:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    y.add_(1)
+                main.wait_stream(side)
+    return body
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--config", help="also the thinker's decode graphs, its engine made from this config")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--kernels", default="100,800")
+    p.add_argument("--batches", default="1,32", help="the thinker's decode graphs to time (captured sizes)")
+    p.add_argument("--reps", type=int, default=50)
+    args = p.parse_args(argv)
+    command = "python -m bench.graph_launch " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = new_result("graph_launch", {}, {}, {"command": command})
+    result["machine"] = machine()
+    dots = Path(tempfile.mkdtemp(prefix="graphs-"))
+    x, y, side = torch.zeros(256, device="cuda"), torch.zeros(256, device="cuda"), torch.cuda.Stream()
+    for n in (int(k) for k in args.kernels.split(",")):
+        for fork in (0, 16):
+            path = dots / f"synthetic-{n}-{fork}.dot"
+            graph = capture(synthetic(n, fork, x, y, side), str(path))
+            cell = {"graph": f"{n} kernels" + (f", a fork every {fork}" if fork else ", straight"),
+                    "launch_us": launch_us(graph, args.reps), **dot_summary(path.read_text())}
+            if not fork and (cell["nodes"] != n or not cell["straight_line"]):  # the DOT read wrongly: say so
+                print(f"warning: a straight chain of {n} kernels read as {cell['nodes']} nodes, "
+                      f"straight_line {cell['straight_line']}", flush=True)
+            result["cells"].append(cell)
+            write(result, args.out)
+            print(cell, flush=True)
+    if args.config:
+        from services.llm import graphs
+        from services.runtime.config import load_config
+        from services.thinker.server import make_engine
+
+        cfg = load_config(args.config, args.set)
+        result["config"] = {"path": args.config, "set": args.set}
+        graphs.DUMP_DIR = str(dots / "thinker")
+        Path(graphs.DUMP_DIR).mkdir()
+        engine = make_engine(cfg, cfg.thinker.replicas[0].device)
+        graphs.DUMP_DIR = None
+        if engine.graphs is None:
+            raise SystemExit("the thinker captured no decode graphs (cuda_graph_max_batch 0, or no GPU engine)")
+        for b in (engine.graphs.size_for(int(b)) for b in args.batches.split(",")):
+            dot = next(Path(dots / "thinker").glob(f"graphs*-b{b}.dot"))
+            cell = {"graph": f"thinker decode, batch {b}", "launch_us": launch_us(engine.graphs.graphs[b][0], args.reps),
+                    **dot_summary(dot.read_text())}
+            result["cells"].append(cell)
+            write(result, args.out)
+            print(cell, flush=True)
+
+
+if __name__ == "__main__":
+    main()
