@@ -61,6 +61,8 @@ def launch_us(graph: "torch.cuda.CUDAGraph", reps: int) -> float:
 
 
 def capture(body, debug_path: str | None = None) -> "torch.cuda.CUDAGraph":
+    """`body` recorded as a graph on a side stream, after one run outside it (kernels compiled and chosen); with
+    `debug_path`, its DOT written there."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -20,6 +20,7 @@ import time
 import torch
 
 from bench import results
+from bench.graph_launch import capture
 from services.llm import layers, triton_moe
 from services.llm.context import step_context
 from services.llm.fp8 import Fp8Experts
@@ -28,14 +29,7 @@ from services.model.load import load_config
 
 
 def graph_ms(fn, iters: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture(fn)
     graph.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
