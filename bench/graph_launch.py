@@ -1,15 +1,19 @@
 """What launching a captured graph costs the host: straight chains of small kernels against the same kernels
-forked onto a second stream and joined back every few kernels, then the thinker's own decode graphs, timed the
-same way and described from their DOT (nodes by type, edges, whether they form one straight line). CUDA 12.6
-launches a straight line of kernel nodes in about constant time; the thinker's decode graph took 0.97 ms of
-host time a launch at 32 requests (cudaGraphLaunch in bench/results/profile-1xh200-b32-decode-plain-f29cb53.txt),
-most of issue 5's 1 ms for a whole step's host work.
+forked onto a second stream and joined back every few kernels, then a stage's own graphs (the thinker's decode
+step; the talker's frame step, code predictor and code2wav), timed the same way and described from their DOT
+(nodes by type, edges, whether they form one straight line). CUDA 12.6 launches a straight line of kernel nodes
+in about constant time. Ours took 0.97 ms of host time a launch for the thinker's decode step at 32 requests
+(bench/results/profile-1xh200-b32-decode-plain-f29cb53.txt: most of issue 5's 1 ms for a step's host work) and
+1.72 ms a launch for the talker's, two a frame step (profile-1xh200-talker-b32-f29cb53.txt, steps overlapped: some
+of that may be waiting for room behind the step before); its frame step took 12.4 ms, its kernels 6.3.
 
-    python -m bench.graph_launch --config configs/bench-1xh200.yaml --set thinker.engine=native \\
-        --set thinker.moe=triton --set thinker.cuda_graph_max_batch=64 --set thinker.compile=true --out OUT.json
+    python -m bench.graph_launch --config configs/bench-1xh200.yaml --stages thinker,talker --set thinker.engine=native \
+        --set thinker.moe=triton --set thinker.cuda_graph_max_batch=64 --set thinker.compile=true ... --out OUT.json
 """
 
 import argparse
+import gc
+import importlib
 import re
 import statistics
 import sys
@@ -99,7 +103,8 @@ def main(argv=None) -> None:
     p.add_argument("--config", help="also the thinker's decode graphs, its engine made from this config")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--kernels", default="100,800")
-    p.add_argument("--batches", default="1,32", help="the thinker's decode graphs to time (captured sizes)")
+    p.add_argument("--stages", default="thinker", help="whose graphs to time with --config: thinker and/or talker")
+    p.add_argument("--batches", default="1,32", help="the batch sizes whose graphs to time (the captured size each runs)")
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args(argv)
     command = "python -m bench.graph_launch " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -120,25 +125,48 @@ def main(argv=None) -> None:
             write(result, args.out)
             print(cell, flush=True)
     if args.config:
-        from services.llm import graphs
         from services.runtime.config import load_config
-        from services.thinker.server import make_engine
 
         cfg = load_config(args.config, args.set)
         result["config"] = {"path": args.config, "set": args.set}
-        graphs.DUMP_DIR = str(dots / "thinker")
-        Path(graphs.DUMP_DIR).mkdir()
-        engine = make_engine(cfg, cfg.thinker.replicas[0].device)
+        for stage in args.stages.split(","):
+            found = engine_graphs(stage, cfg, dots / stage)
+            for name, captured in found:
+                for b in sorted({captured.size_for(min(int(b), captured.max_batch)) for b in args.batches.split(",")}):
+                    dot = dots / stage / f"graphs{captured.capture}-b{b}.dot"
+                    cell = {"graph": f"{name}, batch {b}", "launch_us": launch_us(captured.graphs[b][0], args.reps),
+                            **dot_summary(dot.read_text())}
+                    result["cells"].append(cell)
+                    write(result, args.out)
+                    print(cell, flush=True)
+            del found, captured  # the engine with them: the next stage's gets the GPU's memory
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def engine_graphs(stage: str, cfg, folder: Path) -> list:
+    """(name, CapturedGraphs) of a stage's engine made from `cfg`, each capture's DOT kept in `folder`: the
+    thinker's decode graphs, or the talker's frame step, code predictor and code2wav (one set per chunk length)."""
+    from services.llm import graphs
+
+    if stage not in ("thinker", "talker"):
+        raise SystemExit(f"--stages takes thinker and/or talker, not {stage!r}")
+    make_engine = importlib.import_module(f"services.{stage}.server").make_engine
+    folder.mkdir()
+    graphs.DUMP_DIR = str(folder)
+    try:
+        engine = make_engine(cfg, getattr(cfg, stage).replicas[0].device)
+    finally:
         graphs.DUMP_DIR = None
-        if engine.graphs is None:
-            raise SystemExit("the thinker captured no decode graphs (cuda_graph_max_batch 0, or no GPU engine)")
-        for b in (engine.graphs.size_for(int(b)) for b in args.batches.split(",")):
-            dot = next(Path(dots / "thinker").glob(f"graphs*-b{b}.dot"))
-            cell = {"graph": f"thinker decode, batch {b}", "launch_us": launch_us(engine.graphs.graphs[b][0], args.reps),
-                    **dot_summary(dot.read_text())}
-            result["cells"].append(cell)
-            write(result, args.out)
-            print(cell, flush=True)
+    if stage == "thinker":
+        found = [("thinker decode", engine.graphs)]
+    else:
+        found = [("talker frame step", engine.graphs), ("code predictor", engine.cp_graphs)]
+        found += [(f"code2wav of {frames} frames", c2w) for frames, (_, c2w) in sorted(engine.c2w_graphs.items())]
+    found = [(name, g) for name, g in found if g is not None]
+    if not found:
+        raise SystemExit(f"the {stage} captured no graphs (cuda_graph_max_batch 0, or no GPU engine)")
+    return found
 
 
 if __name__ == "__main__":

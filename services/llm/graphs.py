@@ -36,7 +36,7 @@ class CapturedGraphs:
         self.replays = 0
         pool = None
         stream = torch.cuda.Stream(device)
-        capture = next(_captures)
+        self.capture = capture = next(_captures)  # which capture of this process (the DOTs' names)
         for b in sorted(sizes, reverse=True):
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
