@@ -202,6 +202,32 @@ def test_overlapped_frame_steps_give_the_codes_of_plain_ones(tmp_path):
     assert codes(True) == plain and engine.overlapped > 30
 
 
+def test_overlapped_frame_steps_never_wait_on_a_blocking_copy(tmp_path):
+    """talker.overlap: once frames flow, a frame step (talker, predictor, code2wav's chunks) waits on the device only
+    for the event after the step it reads; torch's sync debug mode raises on any other wait (a copy from pageable
+    memory, a value read from the device, a stream synchronised), each of which would start the next step only
+    once the device is idle. A Python `True` assigned through the drawn codes as an index was one (1.8 ms a step
+    at 32 requests in bench/results/profile-1xh200-talker-b32-f29cb53.txt)."""
+    from services.model.build import build_full_skeleton
+    from services.talker.engine import NativeTalker
+
+    model_dir = build_full_skeleton(tmp_path / "model")
+    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
+                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8)
+    engine.overlap = True
+    seqs = speech_requests(engine, model_dir)
+    while min(len(s.frames) for s in seqs) < 4:  # prompts, first frames, first chunks of audio
+        engine.step([s for s in seqs if engine.ready(s)])
+    before = engine.overlapped
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):
+            engine.step([s for s in seqs if engine.ready(s)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.overlapped - before >= 10 and min(len(s.frames) for s in seqs) >= 14
+
+
 def test_first_codes_drawn_in_the_captured_step_equal_the_samplers(tmp_path):
     """talker.graph_sampling: frame steps replayed from their graphs draw the first codes there (repetition
     penalty over codes drawn, suppressed codes, seeded top-k); three sampled requests get the frames the

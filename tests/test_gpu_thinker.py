@@ -233,6 +233,40 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     assert overlapped == plain
 
 
+def test_overlapped_decode_steps_never_wait_on_a_blocking_copy(pair):
+    """thinker.overlap: once every request is past its prompt, a decode step waits on the device only for the
+    event after the step it reads; torch's sync debug mode raises on any other wait (a copy from pageable memory, a
+    value read from the device, a stream synchronised), each of which would leave the host idle until the device
+    is, instead of queueing the next step."""
+    from dataclasses import replace
+
+    engine, hf = pair
+    gen = torch.Generator().manual_seed(6)
+    seqs = [seq(f"w{i}", torch.randint(0, hf.lm_head.weight.shape[0], (n,), generator=gen), 40)
+            for i, n in enumerate((30, 70, 110))]
+    seqs[2].params = replace(seqs[2].params, temperature=0.7, top_p=0.8, top_k=20, seed=3)
+    engine.overlap = True
+    try:
+        for s in seqs:
+            engine.add(s)
+        while min(len(s.generated) for s in seqs) < 4:
+            engine.step(seqs)
+        before = engine.overlapped
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(12):
+                engine.step(seqs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert engine.overlapped - before >= 10 and min(len(s.generated) for s in seqs) >= 14
+        while not all(s.done for s in seqs):
+            engine.step(seqs)
+    finally:
+        engine.overlap = False
+        for s in seqs:
+            engine.free(s)
+
+
 def test_overlapped_steps_hand_speech_states_from_host_memory(pair):
     """thinker.host_states: an overlapped step copies its speech rows' states (input embedding, accept layer)
     to pinned host memory with its tokens. Against the same requests with device copies: every position's

@@ -30,3 +30,10 @@ def upload(values, device: torch.device, dtype: torch.dtype | None = None) -> to
 def upload_into(dst: torch.Tensor, values) -> None:
     """Copies `values` into the device tensor `dst` (same shape), queued without waiting on the device."""
     dst.copy_(_host(values, dst.dtype, dst.device.type == "cuda"), non_blocking=True)
+
+
+def scalar(value, like: torch.Tensor) -> torch.Tensor:
+    """`value` as a 0-dim tensor of `like`'s dtype on its device, made there by a fill. Assigned through an index
+    tensor (`x[rows, cols] = value`), a Python number is made in host memory and copied over first, a copy that
+    waits for everything queued on the device (a slice assignment fills without one)."""
+    return torch.full((), value, dtype=like.dtype, device=like.device)

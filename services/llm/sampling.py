@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.llm.host import upload
+from services.llm.host import scalar, upload
 
 
 @dataclass(frozen=True)
@@ -168,12 +168,12 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list 
         pen = upload([params[i].repetition_penalty for i in penalised], dev)[:, None]
         logits[rows[:, None], hist] = torch.where(score < 0, score * pen, score / pen)
     for ids, rows in shared.values():
-        logits[upload(rows, dev)[:, None], ids[None, :]] = float("-inf")
+        logits[upload(rows, dev)[:, None], ids[None, :]] = scalar(float("-inf"), logits)
     if banned:
         rows = [i for i in banned for _ in banned[i]]
         cols = [c for i in banned for c in banned[i]]
         at = upload([rows, cols], dev)
-        logits[at[0], at[1]] = float("-inf")
+        logits[at[0], at[1]] = scalar(float("-inf"), logits)
     out = logits.argmax(-1)
     picked_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not picked_rows:

@@ -14,7 +14,7 @@ import torch
 from services.llm import pieces, sampling
 from services.llm.attention import DenseAttention, SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import upload, upload_into
+from services.llm.host import scalar, upload, upload_into
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
@@ -114,6 +114,10 @@ class NativeTalker(SpeechEngine):
         # Its last row is no request's: a captured step's padding rows read it.
         self.seen = torch.zeros(max(max_seqs, 1) + 1, self.talker.codec_head.out_features, dtype=torch.bool, device=self.device)
         self.free_slots = list(range(len(self.seen) - 1))[::-1]
+        # What marks a code drawn, on the device: `True` assigned through the codes as an index would be copied
+        # from host memory first, waiting for the step the device is running (1.8 ms a frame step at 32 requests,
+        # bench/results/profile-1xh200-talker-b32-f29cb53.txt, and no overlap).
+        self.drawn_mark = scalar(True, self.seen)
         # First codes drawn inside the captured steps where _first_drawable (the draw is captured only with it on).
         self.graph_sampling = self.draws_captured = graph_sampling
         self.graph_draws = 0  # frame steps whose first codes were drawn in their graph
@@ -327,7 +331,7 @@ class NativeTalker(SpeechEngine):
         frames = [len(s.frames) + s.frames_unread for s in seqs]
         code0 = sample_batch(logits, [s.params for s in seqs], None, frames, [self.suppressed(s) for s in seqs],
                              counters=frames)
-        self.seen[slots, code0] = True
+        self.seen[slots, code0] = self.drawn_mark
         return code0
 
     def _predict(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,7 +409,7 @@ class NativeTalker(SpeechEngine):
         if caught_up:  # their first codes, sampled on the device, and their frames straight after
             seqs = [work[i].seq.owner for i in caught_up]
             if drawn is not None:  # drawn in the graph: only marking them seen is left
-                self.seen[self.decode_draw[0][0, :len(seqs)], drawn] = True
+                self.seen[self.decode_draw[0][0, :len(seqs)], drawn] = self.drawn_mark
                 code0 = drawn
                 self.graph_draws += 1
             else:

@@ -185,7 +185,7 @@ class SpeechEngine:
         n, frames = len(codes), len(codes[0])
         captured = self.c2w_graphs.get(frames)
         if captured is None or n > captured[1].max_batch:
-            return self.code2wav(torch.tensor(codes, device=self.device).transpose(1, 2))
+            return self.code2wav(upload(codes, self.device, torch.long).transpose(1, 2))  # no wait for the device
         buf, graphs = captured
         b = graphs.size_for(n)
         upload_into(buf[:n], torch.tensor(codes).transpose(1, 2).contiguous())
