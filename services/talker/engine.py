@@ -123,6 +123,10 @@ class NativeTalker(SpeechEngine):
         self.graph_draws = 0  # frame steps whose first codes were drawn in their graph
         self.overlap, self.pending = overlap, None  # the launched frame step whose codes are not read yet
         self.overlapped = 0  # frame steps launched before the previous one's codes were read
+        # Recorded after a decode step's attention plan was queued: flashinfer copies a plan to the device out of a
+        # pinned host buffer of its own, which the next plan rewrites, so that copy must have run first (with
+        # overlap it is queued behind the step the device is running; done by then in practice, not by rule).
+        self.planned = None
         self.cp_graphs = self.graphs = None
         if cuda_graph_max_batch and self.device.type == "cuda":  # the predictor is dense: no experts to capture
             from services.llm.graphs import CapturedGraphs, ladder
@@ -442,7 +446,11 @@ class NativeTalker(SpeechEngine):
         self.decode_x[:n] = torch.cat([w.seq.rows(w.start, 1)[0] for w in work])
         pos = torch.tensor([w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n), dtype=torch.long)
         upload_into(self.decode_pos[:b], pos)
+        if self.planned is not None:
+            self.planned.synchronize()
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
+        self.planned = torch.cuda.Event()
+        self.planned.record(torch.cuda.current_stream(self.device))
         drawn = self._first_drawable([w.seq.owner for w in work])
         if drawn:
             seqs, pad = [w.seq.owner for w in work], [0] * (b - n)
