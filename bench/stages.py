@@ -239,13 +239,23 @@ def talker_cells(cfg: MeshConfig, device: str, args):
     feed = TalkerFeed(engine, cfg, args.seed, args.talker_prompt_bytes)
     batch = feed.batch
 
-    def run(seqs) -> tuple[float, float, int]:
-        """(prefill seconds: the first step, every sequence's prompt, drained; decode seconds: every later step
-        back to back, the device drained once at the end; decode steps). No drain between steps: it would undo
+    def made(seqs) -> int:
+        """Frames read, and launched with their codes not yet read (the native talker's, overlapped)."""
+        return sum(len(s.frames) + s.frames_unread for s in seqs)
+
+    def run(seqs) -> tuple[float, float, int, int]:
+        """(prefill seconds: steps until every sequence has its first frame (its prompt computed: more than one
+        step's tokens for many requests), drained; decode seconds: every later step back to back, the device
+        drained once at the end; decode steps; frames those steps made). No drain between steps: it would undo
         what overlaps, a frame step's launch with the previous one's device work (talker.overlap) and code2wav
         on its own stream."""
-        prefill_s, _ = timed(lambda: engine.step([s for s in seqs if engine.ready(s)]), dev)
-        steps = 0
+        def prompts():
+            while (ready := [s for s in seqs if engine.ready(s)]) and not all(s.done or len(s.frames) + s.frames_unread
+                                                                               for s in seqs):
+                engine.step(ready)
+
+        prefill_s, _ = timed(prompts, dev)
+        before, steps = made(seqs), 0
 
         def decode():
             nonlocal steps
@@ -254,7 +264,7 @@ def talker_cells(cfg: MeshConfig, device: str, args):
                 steps += 1
 
         decode_s, _ = timed(decode, dev)
-        return prefill_s, decode_s, steps
+        return prefill_s, decode_s, steps, sum(len(s.frames) for s in seqs) - before
 
     stream = getattr(engine, "vocode_stream", None)
 
@@ -282,15 +292,16 @@ def talker_cells(cfg: MeshConfig, device: str, args):
         use(mode)
         seqs = batch(b, args.frames)
         overlapped = getattr(engine, "overlapped", 0)
-        prefill_s, decode_s, steps = run(seqs)
+        prefill_s, decode_s, steps, decoded = run(seqs)
         overlapped = getattr(engine, "overlapped", 0) - overlapped
         frames = sum(len(s.frames) for s in seqs)
         split = {part: sum(s.seconds[part] for s in seqs) for part in ("talker", "code_predictor", "code2wav")}
         for s in seqs:
             engine.free(s)
+        # frames_per_s: the frames the decode steps made, over their time (the prompts' steps and first frames apart)
         yield {"stage": "talker", "mode": "decode" if mode == "config" else f"decode {mode}", "batch": b, "frames": frames,
-               "seconds": decode_s,
-               "frames_per_s": frames / decode_s, "audio_s_per_s": frames / FRAMES_PER_SECOND / decode_s,
+               "decode_frames": decoded, "seconds": decode_s,
+               "frames_per_s": decoded / decode_s, "audio_s_per_s": decoded / FRAMES_PER_SECOND / decode_s,
                "prefill_ms": 1000 * prefill_s, "steps": steps, "overlapped_steps": overlapped, "step_ms": 1000 * decode_s / max(steps, 1),
                **{f"{k}_s": v for k, v in split.items()},
                **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}

@@ -195,6 +195,9 @@ def test_stage_benchmarks(bench_dir):
         assert decode["tok_per_s"] == pytest.approx(b * 3 / decode["seconds"]) and decode["host_ms_per_step"] > 0
         talker = by[(("stage", "talker"), ("mode", "decode"), ("batch", b))]
         assert talker["frames"] == 4 * b and sum(talker[f"{k}_share"] for k in ("talker", "code_predictor", "code2wav")) == pytest.approx(1)
+        # the decode steps' own frames: each request's first frame came with its prompt's steps
+        assert 0 < talker["decode_frames"] <= 3 * b
+        assert talker["frames_per_s"] == pytest.approx(talker["decode_frames"] / talker["seconds"])
         for item in ("image", "audio"):
             assert by[(("stage", "encoder"), ("item", item), ("batch", b))]["items_per_s"] > 0
     assert report.main([str(out)])[0].read_text().count("## ") == 5
