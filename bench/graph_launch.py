@@ -100,7 +100,7 @@ def synthetic(kernels: int, fork_every: int, x: torch.Tensor, y: torch.Tensor, s
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--config", help="also the thinker's decode graphs, its engine made from this config")
+    p.add_argument("--config", help="also the graphs of the --stages engines, made from this config")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--kernels", default="100,800")
     p.add_argument("--stages", default="thinker", help="whose graphs to time with --config: thinker and/or talker")
