@@ -352,9 +352,9 @@ class NativeTalker(SpeechEngine):
         upload_into(self.cp_floats[:, :b], [[p.temperature for p in params], [p.top_p for p in params]])
         self.cp_ints[0, :n] = code0
         self.cp_hidden[:n] = hidden
-        if b > n:
-            self.cp_ints[0, n:b] = 0
-            self.cp_hidden[n:b] = 0
+        if b > n:  # zeroed in place (a Python 0 assigned might be copied over from host memory first)
+            self.cp_ints[0, n:b].zero_()
+            self.cp_hidden[n:b].zero_()
         codes, embeds = self.cp_graphs.replay(b) if graph else self._predict_body(n)
         return codes[:n], embeds[:n]
 

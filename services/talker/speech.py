@@ -190,7 +190,7 @@ class SpeechEngine:
         b = graphs.size_for(n)
         upload_into(buf[:n], torch.tensor(codes).transpose(1, 2).contiguous())
         if b > n:
-            buf[n:b] = 0
+            buf[n:b].zero_()
         return graphs.replay(b)[:n]
 
     def add(self, seq: TalkerSeq) -> None:
