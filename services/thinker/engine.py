@@ -382,7 +382,7 @@ class NativeThinker:
         for w in work:
             seq: ThinkerSeq = w.seq.owner
             idx = torch.arange(w.start, w.start + w.n)
-            e = self.model.model.embed_tokens(torch.tensor(w.seq.tokens[w.start:w.start + w.n], device=self.device))
+            e = self.model.model.embed_tokens(upload(w.seq.tokens[w.start:w.start + w.n], self.device, torch.long))
             for span in seq.spans:
                 lo, hi = max(w.start, span.offset), min(w.start + w.n, span.offset + len(span.embeds))
                 if lo >= hi:
@@ -404,8 +404,10 @@ class NativeThinker:
         deepstack = None
         if ds_rows:
             deepstack = [torch.cat(level).to(self.device, self.dtype) for level in zip(*ds_values)]
-            ds_rows = torch.cat(ds_rows).to(self.device)
-        return torch.cat(embeds), torch.cat(positions, dim=1).to(self.device), ds_rows if deepstack else None, deepstack
+            ds_rows = upload(torch.cat(ds_rows), self.device)
+        # Host values through pinned memory (upload): from pageable memory each copy would first wait for the
+        # device to finish what this step queued before it.
+        return torch.cat(embeds), upload(torch.cat(positions, dim=1), self.device), ds_rows if deepstack else None, deepstack
 
     def _outputs(self, work: list[Work], embeds, captured, logits_of, drawn=None) -> list[tuple[ThinkerSeq, ThinkerStep]]:
         """Each request's step output; its token drawn from the rows that end (`drawn`: already drawn for them, in
@@ -438,7 +440,7 @@ class NativeThinker:
                 step.embeds, step.hidden = embeds[row + skip:row + w.n], captured[row + skip:row + w.n]
                 w.seq.states_sent = w.start + w.n
             if seq.embed_token_ids and not seq.generated and w.start == 0:
-                step.token_embeds = self.model.model.embed_tokens(torch.tensor(seq.embed_token_ids, device=self.device))
+                step.token_embeds = self.model.model.embed_tokens(upload(seq.embed_token_ids, self.device, torch.long))
             if id(w) in sampled:
                 w.seq.tokens.append(sampled[id(w)])
                 _accept(seq, step, sampled[id(w)])
