@@ -250,8 +250,7 @@ def talker_cells(cfg: MeshConfig, device: str, args):
         what overlaps, a frame step's launch with the previous one's device work (talker.overlap) and code2wav
         on its own stream."""
         def prompts():
-            while (ready := [s for s in seqs if engine.ready(s)]) and not all(s.done or len(s.frames) + s.frames_unread
-                                                                               for s in seqs):
+            while (ready := [s for s in seqs if engine.ready(s)]) and not all(s.done or made([s]) for s in seqs):
                 engine.step(ready)
 
         prefill_s, _ = timed(prompts, dev)
