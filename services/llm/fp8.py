@@ -12,7 +12,7 @@ from torch import nn
 from services.llm import triton_moe
 from services.llm.context import get_context
 from services.llm.layers import Experts
-from services.llm.moe import TRITON, by_expert, combine, moe_experts
+from services.llm.moe import TRITON, by_expert, combine, moe_experts, take
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -158,8 +158,9 @@ def grouped(x, ids, weights, gate_up, gate_up_scale, down, down_scale) -> torch.
     n, k = ids.shape
     order, offs = by_expert(ids, gate_up.shape[0])
     tok = order // k
-    xq, xs = quantize_tokens(x)
-    h = torch._scaled_grouped_mm(xq[tok], gate_up.transpose(1, 2), xs[tok, 0], gate_up_scale, offs=offs, out_dtype=torch.bfloat16)
+    xq, xs = quantize_tokens(x)  # each token quantised once, then its rows gathered as bytes
+    h = torch._scaled_grouped_mm(take(xq, tok), gate_up.transpose(1, 2), take(xs[:, 0], tok), gate_up_scale, offs=offs,
+                                 out_dtype=torch.bfloat16)
     gate, up = h.chunk(2, dim=-1)
     aq, a_scale = quantize_tokens(F.silu(gate) * up)
     y = torch._scaled_grouped_mm(aq, down.transpose(1, 2), a_scale[:, 0], down_scale, offs=offs, out_dtype=torch.bfloat16)

@@ -56,11 +56,19 @@ def by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tens
     return order, counts.cumsum(0).to(torch.int32)
 
 
+@torch.compiler.disable
+def take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows[index] by ATen's gather kernel, kept out of compiled code. Inductor's own gather of the routed rows
+    (2,048 tokens, top 8 of 128: 16,384 rows of 2,048) took 290 us in fp8, the quantisation folded into it, where
+    this takes 12; a layer at that size 0.85 ms instead of 1.11 in fp8, 0.99 instead of 1.21 in bf16
+    (bench/gather.py)."""
+    return rows.index_select(0, index)
+
+
 def grouped(x, ids, weights, gate_up, down):
     n, k = ids.shape
     order, offs = by_expert(ids, gate_up.shape[0])  # rows grouped by expert: T*k rows, E groups
-    tok = order // k
-    h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
+    h = torch._grouped_mm(take(x, order // k), gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T*k, H]
     return combine(y, order, weights, x.dtype)
