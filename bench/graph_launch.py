@@ -72,13 +72,14 @@ def capture(body, debug_path: str | None = None) -> "torch.cuda.CUDAGraph":
     with torch.cuda.stream(stream):
         body()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=bool(debug_path))  # else capture_end drops the graph: nothing to dump
     if debug_path:
         graph.enable_debug_mode()
     with torch.cuda.graph(graph, stream=stream):
         body()
     if debug_path:
         graph.debug_dump(debug_path)
+        graph.instantiate()
     return graph
 
 

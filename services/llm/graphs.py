@@ -43,13 +43,14 @@ class CapturedGraphs:
                 for _ in range(2):  # warm-up outside the graph: kernels chosen, workspaces allocated
                     body(b)
             torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=DUMP_DIR is not None)  # kept to be dumped, then instantiated
             if DUMP_DIR is not None:
                 graph.enable_debug_mode()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 outputs = body(b)
             if DUMP_DIR is not None:
                 graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}.dot")
+                graph.instantiate()
             pool = graph.pool()
             self.graphs[b] = (graph, outputs)
         torch.cuda.synchronize(device)
