@@ -96,11 +96,13 @@ def fuse_projections_(model: nn.Module) -> int:
 def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, kv=None):
     """Input norm, the fused q/k/v projection, QK-norm and rotary embedding:
     [N, H] -> q [N, heads, D], k and v [N, kv_heads, D]; with `kv` (an attention backend's kv_slots), k and v
-    also written into the cache, in the same kernel as their norm and rotation when compiled."""
+    also written into the cache. q's and k's heads are normed and rotated as one tensor, each head by its own
+    weight: compiled, one kernel, where q's and k's took one each (5.9 and 5.5 us a layer at 32 requests,
+    bench/results/profile-1xh200-b32-decode-f29cb53.txt). q and k are views of it: attention takes q's strides."""
     n = x.shape[0]  # N = tokens of the step, all sequences
-    q, k, v = F.linear(rms_norm(x, norm_w, eps), qkv_w).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = rotate(rms_norm(q.reshape(n, heads, head_dim), qn_w, eps), cos, sin)
-    k = rotate(rms_norm(k.reshape(n, kv_heads, head_dim), kn_w, eps), cos, sin)
+    qk, v = F.linear(rms_norm(x, norm_w, eps), qkv_w).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+    qk_w = torch.cat([qn_w.expand(heads, head_dim), kn_w.expand(kv_heads, head_dim)])
+    q, k = rotate(rms_norm(qk.reshape(n, heads + kv_heads, head_dim), qk_w, eps), cos, sin).split([heads, kv_heads], dim=1)
     v = v.reshape(n, kv_heads, head_dim)
     if kv is not None:
         flat_k, flat_v, slots = kv
