@@ -265,8 +265,8 @@ def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tu
                   lm: bool = False) -> None:
     """Draws every parameter from one seeded generator on the module's device, in name order.
 
-    Norm weights start at 1, biases near 0, every other tensor ~ N(0, 1/fan_in); convolutions are scaled
-    by `conv_gain`. The same seed gives the same weights wherever the same module is built.
+    Norm weights near 1 (1 + N(0, 0.01)), biases near 0, every other tensor ~ N(0, 1/fan_in); convolutions are
+    scaled by `conv_gain`. The same seed gives the same weights wherever the same module is built.
 
     `lm` (the thinker, the talker): token embeddings ~ N(0, 1) and each decoder layer's residual output
     projections scaled by 1 / sqrt(2 x layers), as language models are initialised for training. With every
@@ -288,8 +288,8 @@ def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tu
 
     for name, p in params:
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name and leaf in ("weight", "gamma"):
-            p.fill_(1.0)
+        if "norm" in name and leaf in ("weight", "gamma"):  # near 1, each its own: a test sees one norm's weight
+            p.copy_(1.0 + 0.1 * randn(p.shape))              # used in another's place (all 1 hid that)
         elif leaf in ("bias", "beta"):
             p.copy_(randn(p.shape) * 0.02)
         elif leaf == "scale":
