@@ -1,7 +1,8 @@
 """Joins result files of one sweep run in parallel parts (say the transformers cells of the text workloads on
 GPU0 and of the speech ones on GPU1, at the same time) into one file, as `--resume` joins parts run one after
-another: the same checks (engine, config and overrides, lengths and inputs, code, GPU model), no cell in two
-files, every part's run record kept.
+another: the same checks (engine, config and overrides, lengths and inputs, code, GPU model), no cell measured in
+two files (one a file skipped gives way to the file that measured it, as `--resume` runs it again), every part's
+run record kept.
 
     python -m bench.merge .cache/hf-text.json .cache/hf-speech.json --out bench/results/2xh200-hf.json
 """
@@ -15,15 +16,18 @@ from bench.run import resumed
 
 def merge(files: list[dict]) -> dict:
     merged = copy.deepcopy(files[0])
-    seen = {results.cell_key(c) for c in merged["cells"]}
     for part in files[1:]:
-        twice = [dict(k) for k in (results.cell_key(c) for c in part["cells"]) if k in seen]
+        mine = {results.cell_key(c): c for c in merged["cells"]}
+        theirs = {results.cell_key(c): c for c in part["cells"]}
+        twice = [dict(k) for k in mine.keys() & theirs.keys() if "skipped" not in (mine[k]["status"], theirs[k]["status"])]
         if twice:
-            raise SystemExit(f"cannot merge: cells in more than one file: {twice}")
+            raise SystemExit(f"cannot merge: cells measured in more than one file: {twice}")
         merged = resumed(merged, part)  # refuses a part that measures something else; keeps the run records
         merged["parts"] += part.get("parts", [])
-        merged["cells"] += part["cells"]
-        seen |= {results.cell_key(c) for c in part["cells"]}
+        # A cell in both was skipped in one of them (or both): the one measured stays (both skipped: the later one).
+        gone = {k for k in mine.keys() & theirs.keys() if mine[k]["status"] == "skipped"}
+        merged["cells"] = [c for c in merged["cells"] if results.cell_key(c) not in gone]
+        merged["cells"] += [c for k, c in theirs.items() if k not in mine or k in gone]
     return merged
 
 

@@ -297,6 +297,13 @@ def test_parts_run_side_by_side_merge_into_one_file(bench_dir):
         merge.main([str(text), str(longer), "--out", str(bench_dir / "none.json")])
     with pytest.raises(SystemExit, match="more than one file"):
         merge.main([str(text), str(out), "--out", str(bench_dir / "none.json")])
+    # A part cut short by its time limit skips cells; the same cells measured in another part take their place.
+    short = bench_dir / "side-short.json"
+    bench_run.main([*args, "--max-tokens", "3", "--workloads", "t2t,t2s", "--out", str(short), "--max-minutes", "0.00001"])
+    assert {c["status"] for c in results.read(short)["cells"]} == {"skipped"}
+    for files in ([short, out], [out, short]):
+        joined = merge.main([*map(str, files), "--out", str(bench_dir / "joined.json")])
+        assert sorted((c["workload"], c["status"]) for c in joined["cells"]) == [("t2s", "ok"), ("t2t", "ok")], files
 
 
 def test_a_mesh_started_apart(bench_dir, mesh):
