@@ -28,8 +28,8 @@ def test_worker_processes_decode_on_one_thread_each(tiny_model):
 
 @pytest.mark.timeout(300)
 def test_the_stage_process_moves_bytes_on_one_thread(tiny_model, tmp_path):
-    """The stage's process only copies features into the shared pool: with a thread per core, every copy left
-    them all spinning (about 300 ms of CPU a request on a 32-core host)."""
+    """The stage's process only copies features into the shared pool: a copy split over a thread per core leaves
+    them all spinning afterwards (services.preprocess.server.build says what that cost)."""
     cfg = load_config(write_config(tmp_path / "mesh.yaml", tiny_model))
 
     async def built_threads() -> int:
