@@ -82,6 +82,15 @@ def test_fp8_activations_need_fp8_experts(tmp_path):
     assert load_config(write(tmp_path, c)).thinker.native_args["fp8_activations"] is True
 
 
+def test_unsplit_decode_attention_needs_the_tensor_core_kernels(tmp_path):
+    c = base()
+    c["talker"] = {"decode_split_kv_max_batch": 16, "decode_tensor_cores": False}
+    with pytest.raises(ConfigError, match="talker.decode_split_kv_max_batch needs talker.decode_tensor_cores"):
+        load_config(write(tmp_path, c))
+    c["talker"]["decode_tensor_cores"] = True
+    assert load_config(write(tmp_path, c)).talker.native_args["decode_split_kv_max_batch"] == 16
+
+
 def test_the_two_thinker_config_differs_from_the_benchmark_one_only_where_it_means_to():
     """bench-2xh200-two-thinkers.yaml is a copy of bench-2xh200.yaml for an A/B: a copy that drifted would
     measure more than the second thinker."""

@@ -1,5 +1,6 @@
-"""Captured decode attention through flashinfer, either kernel (its tensor-core path and its CUDA-core decode
-kernel: `decode_tensor_cores`), against the PyTorch reference attention over the same paged cache."""
+"""Captured decode attention through flashinfer, either kernel (its tensor-core path, its keys split or not:
+`decode_split_kv_max_batch`, and its CUDA-core decode kernel: `decode_tensor_cores`), against the PyTorch
+reference attention over the same paged cache."""
 
 import pytest
 import torch
@@ -7,8 +8,8 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("tensor_cores", [True, False])
-def test_decode_attention_matches_the_reference_in_a_graph(tensor_cores):
+@pytest.mark.parametrize("tensor_cores,split_kv", [(True, True), (True, False), (False, True)])
+def test_decode_attention_matches_the_reference_in_a_graph(tensor_cores, split_kv):
     from services.llm.attention import SeqSlice, TorchAttention
     from services.llm.flashinfer_attention import WORKSPACE_BYTES, DecodeAttention
     from services.llm.kv_cache import KVCache
@@ -26,7 +27,7 @@ def test_decode_attention_matches_the_reference_in_a_graph(tensor_cores):
         free = free[need:]
     slices = [SeqSlice(t, n, 1) for t, n in zip(tables, lengths)]
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda:0")
-    attn = DecodeAttention(cache, dim ** -0.5, heads, batch, 256, workspace, tensor_cores)
+    attn = DecodeAttention(cache, dim ** -0.5, heads, batch, 256, workspace, tensor_cores, split_kv)
     q = torch.zeros(batch, heads, dim, dtype=torch.bfloat16, device="cuda:0")
     k = torch.zeros(batch, kv_heads, dim, dtype=torch.bfloat16, device="cuda:0")
     v = torch.zeros_like(k)
@@ -50,5 +51,5 @@ def test_decode_attention_matches_the_reference_in_a_graph(tensor_cores):
     want = ref.forward(1, q[:n].clone(), k[:n].clone(), v[:n].clone(), written=True).float()  # keys written by the replay
     got = out[:n].float()
     err = ((got - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2))).max().item()
-    print(f"tensor cores {tensor_cores}: relative L2 against the reference, worst row {err:.4f}")
+    print(f"tensor cores {tensor_cores}, keys split {split_kv}: relative L2 against the reference, worst row {err:.4f}")
     assert err < 0.02  # bf16 inputs, float32 accumulation either way

@@ -79,16 +79,28 @@ class FlashInferAttention(_Writer):
         return self.wrapper.run(q, self.write(layer, k, v, written), out=out)
 
 
+def split_kv(batch: int, max_batch: int) -> bool:
+    """Whether a decode graph of `batch` sequences splits their keys (`decode_split_kv_max_batch`: -1 always)."""
+    return max_batch < 0 or batch <= max_batch
+
+
 class DecodeAttention(_Writer):
     """One token per sequence for exactly `batch` sequences (rows past the real ones are padding: they write
-    to and read from `scratch_block`, which no sequence owns)."""
+    to and read from `scratch_block`, which no sequence owns).
+
+    On the tensor-core kernels in a graph, flashinfer always splits each sequence's keys over several CTAs (as
+    many as fill the GPU at any length the graph may meet) and merges their partial outputs after; `split_kv`
+    off gives each sequence and KV head one CTA over all its keys, and no merge: fewer launches and reads where
+    the batch alone fills the GPU, a long serial CTA where it does not."""
 
     def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor,
-                 tensor_cores: bool = True):
+                 tensor_cores: bool = True, split_kv: bool = True):
+        if not (split_kv or tensor_cores):
+            raise ValueError("only flashinfer's tensor-core decode can be planned without splitting the keys")
         import flashinfer
 
         super().__init__(cache)
-        self.scale, self.heads, self.batch, self.scratch = scale, heads, batch, scratch_block
+        self.scale, self.heads, self.batch, self.scratch, self.split_kv = scale, heads, batch, scratch_block, split_kv
         dev = cache.k.device
         i32 = dict(dtype=torch.int32, device=dev)
         self.indptr = torch.zeros(batch + 1, **i32)
@@ -117,7 +129,8 @@ class DecodeAttention(_Writer):
         pages = upload(indices, self.cache.k.device, torch.int32)
         self.wrapper.plan(pinned(indptr, torch.int32), pages, pinned(last, torch.int32),
                           self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
-                          kv_data_type=self.cache.k.dtype, sm_scale=self.scale)
+                          kv_data_type=self.cache.k.dtype, sm_scale=self.scale,
+                          **({} if self.split_kv else {"disable_split_kv": True}))
         upload_into(self.slot_mapping, slots)
         return self
 

@@ -182,6 +182,10 @@ class LMStageConfig(EngineStageConfig):
     # merged); off: its CUDA-core decode kernel. On by default: 229 against 206 tok/s at 1 request, 1,938 against
     # 1,843 at 32 (bench/results/thinker-1xh200-decode-tensor-cores-*-2434a01.json).
     decode_tensor_cores: bool = True
+    # Captured decode attention on the tensor-core kernels splits each sequence's keys over several CTAs and merges
+    # them (flashinfer's way in a graph) for batches of up to this many sequences; larger batches give each
+    # sequence and KV head one CTA and no merge. -1: every batch splits. Not yet measured.
+    decode_split_kv_max_batch: int = -1
     # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, the thinker's multimodal rows) of
     # up to this many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
     # (services/llm/pieces.py: flashinfer attention, grouped or triton experts); on the CPU the same pieces run
@@ -196,7 +200,7 @@ class LMStageConfig(EngineStageConfig):
                     max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts,
                     fp8_activations=self.fp8_activations, attention=self.attention,
                     cuda_graph_max_batch=self.cuda_graph_max_batch, decode_tensor_cores=self.decode_tensor_cores,
-                    step_graphs=self.step_graphs, compile=self.compile)
+                    decode_split_kv_max_batch=self.decode_split_kv_max_batch, step_graphs=self.step_graphs, compile=self.compile)
 
 
 @dataclass
@@ -294,6 +298,9 @@ class MeshConfig:
         for stage in ("thinker", "talker"):
             if getattr(self, stage).fp8_activations and getattr(self, stage).fp8_experts == "off":
                 raise ConfigError(f"{stage}.fp8_activations needs fp8 experts ({stage}.fp8_experts: channel or block)")
+            if getattr(self, stage).decode_split_kv_max_batch >= 0 and not getattr(self, stage).decode_tensor_cores:
+                raise ConfigError(f"{stage}.decode_split_kv_max_batch needs {stage}.decode_tensor_cores (flashinfer's "
+                                  "CUDA-core decode kernel is planned its own way)")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self

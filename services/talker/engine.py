@@ -66,8 +66,9 @@ class NativeTalker(SpeechEngine):
                  fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
                  code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
-                 step_graphs: int = 0, decode_tensor_cores: bool = True):
+                 step_graphs: int = 0, decode_tensor_cores: bool = True, decode_split_kv_max_batch: int = -1):
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
+        self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -145,7 +146,7 @@ class NativeTalker(SpeechEngine):
     def _capture(self, sizes: list[int], scratch: int, text) -> None:
         """The talker's decode steps (one input row per request, positions equal on the three M-RoPE rows)
         as CUDA graphs: input rows and positions in, hidden states and codec logits out."""
-        from services.llm.flashinfer_attention import DecodeAttention
+        from services.llm.flashinfer_attention import DecodeAttention, split_kv
         from services.llm.graphs import CapturedGraphs
 
         self.decode_x = torch.zeros(sizes[-1], text.hidden_size, dtype=self.dtype, device=self.device)
@@ -161,8 +162,10 @@ class NativeTalker(SpeechEngine):
         self.suppress_mask[self.suppress] = True
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
         self.eos_mask[self.codec_eos] = True
+        split = self.decode_split_kv_max_batch
         self.decode_attention = {b: DecodeAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads, b, scratch,
-                                                    self.workspace, self.decode_tensor_cores).plan([]) for b in sizes}
+                                                    self.workspace, self.decode_tensor_cores, split_kv(b, split)).plan([])
+                                 for b in sizes}
 
         def body(b: int):
             with step_context(self.decode_attention[b], self.moe):

@@ -66,13 +66,15 @@ class NativeThinker:
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
                  max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", fp8_activations: bool = False,
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
-                 graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True):
+                 graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
+                 decode_split_kv_max_batch: int = -1):
         self.device, self.dtype = torch.device(device), dtype
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
         self.overlapped = 0  # steps launched before the previous one's tokens were read
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
+        self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -115,7 +117,7 @@ class NativeThinker:
     def _capture(self, max_batch: int, scratch: int, scale: float, heads: int, workspace) -> None:
         """Decode steps as CUDA graphs: token ids and positions in, layer-0 embeddings, the talker's states
         and logits out, for every batch size of the ladder."""
-        from services.llm.flashinfer_attention import DecodeAttention
+        from services.llm.flashinfer_attention import DecodeAttention, split_kv
         from services.llm.graphs import CapturedGraphs, ladder
 
         sizes = ladder(max_batch)
@@ -123,8 +125,8 @@ class NativeThinker:
         self.decode_draw = (torch.zeros(3, max_batch, dtype=torch.long, device=self.device),  # top-k, seed, counter
                             torch.zeros(2, max_batch, device=self.device))  # temperature, top-p
         # One attention per size (its page table buffers are the graph's), planned all padding for capture.
-        self.decode_attention = {b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace,
-                                                     self.decode_tensor_cores).plan([]) for b in sizes}
+        self.decode_attention = {b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace, self.decode_tensor_cores,
+                                                     split_kv(b, self.decode_split_kv_max_batch)).plan([]) for b in sizes}
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
 
         def body(b: int):
