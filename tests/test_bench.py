@@ -419,3 +419,11 @@ def test_thinker_stage_with_chat_prompts_counts_the_experts_a_step_reads(bench_d
     end = end if isinstance(end, list) else end["input_ids"]
     assert len(ids) == 24 and ids[-3:].tolist() == end[-3:]  # the assistant's opening, last
     assert not torch.equal(ids, routing.chat_prompts(cfg, 0)(4, 24))  # each request its own text
+
+
+def test_a_result_says_when_its_run_asked_mps_for_contexts(monkeypatch):
+    """scripts/mps exports the MPS pipe folder to what it runs; results made under it name it."""
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    assert "mps_pipe" not in results.machine()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/omni-mps/pipe")
+    assert results.machine()["mps_pipe"] == "/tmp/omni-mps/pipe"
