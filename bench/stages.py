@@ -346,19 +346,29 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     """code2wav alone in float32 and in each of --code2wav-dtypes (the same seeded weights, rounded): chunks of
     each streaming shape of the config's plan (frames with their left context) for each of --batches on the
     same random codes, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it), and the
-    waveforms held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by."""
+    waveforms held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by; a precision
+    named with "+fuse" (bfloat16+fuse) runs with its activations fused, as talker.code2wav_fuse runs it."""
     from services.llm.graphs import CapturedGraphs
-    from services.model.load import load_component
+    from services.model.load import load_component, load_config as model_config
 
-    from services.talker.speech import chunk_plan
+    from services.talker.speech import chunk_plan, fuse_activations_
 
     dev, tc = torch.device(device), cfg.talker
     new_frames = dict(chunk_plan(tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames, tc.chunk_growth))
     dtypes = ["float32"] + [d for d in args.code2wav_dtypes.split(",") if d and d != "float32"]
-    models = {d: load_component("code2wav", cfg.model.dir, dev, DTYPES[d], cfg.model.load_format, cfg.model.seed).requires_grad_(False)
-              for d in dtypes}
-    ref_model = models["float32"]
-    groups, vocab = ref_model.config.num_quantizers, ref_model.config.codebook_size
+
+    def model_for(name: str):
+        dtype = name.removesuffix("+fuse")
+        if dtype not in DTYPES:
+            raise SystemExit(f"--code2wav-dtypes: unknown precision {name!r}")
+        model = load_component("code2wav", cfg.model.dir, dev, DTYPES[dtype], cfg.model.load_format, cfg.model.seed)
+        if name.endswith("+fuse"):
+            fuse_activations_(model)
+        return model.requires_grad_(False)
+
+    models = {d: model_for(d) for d in dtypes}
+    c2w_config = model_config(cfg.model.dir).code2wav_config
+    groups, vocab = c2w_config.num_quantizers, c2w_config.codebook_size
     gen = torch.Generator().manual_seed(args.seed)
     for frames in sorted(new_frames):
         for b in args.batches:
@@ -417,7 +427,8 @@ def parse_args(argv=None):
                         "talker.graph_sampling on; the modes without it draw after the graph), "
                         "a -c2w-inline one waits for code2wav in the frame loop (no side stream)")
     p.add_argument("--encoder-batches", type=ints, default=[1, 8, 32])
-    p.add_argument("--code2wav-dtypes", default="bfloat16", help="code2wav stage: precisions held to float32 (float32 always runs)")
+    p.add_argument("--code2wav-dtypes", default="bfloat16",
+                   help="code2wav stage: precisions held to float32 (float32 always runs); NAME+fuse: activations fused")
     p.add_argument("--preprocess-items", type=int, default=8)
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--clip-seconds", type=float, default=7.0)

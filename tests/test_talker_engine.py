@@ -29,6 +29,8 @@ ENGINES = {
     "overlap and preemption": {"overlap": True, "kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
     # the layers compiled (compile: true, inductor on the CPU here): the fused forms the GPU runs, same codes
     "compiled overlapped frame steps": {"compile": True, "overlap": True},
+    # code2wav's activations compiled (talker.code2wav_fuse; inductor on the CPU here): the same waveforms
+    "code2wav's activations fused": {"code2wav_fuse": True},
     # steps between attentions in pieces (step_graphs: graphs on a GPU, the same pieces run eagerly here)
     "step pieces": {"step_graphs": 2048},
     "step pieces, overlap and preemption": {"step_graphs": 8, "overlap": True, "kv_blocks": 20, "block_size": 4,
@@ -408,3 +410,23 @@ def test_first_codes_drawn_with_tensor_settings_equal_the_samplers(tiny_model):
         marked = before.clone()
         marked[torch.arange(len(seqs)), drawn] = True
         assert torch.equal(engine.seen, marked)
+
+
+def test_fused_activations_keep_code2wavs_waveform(tiny_model):
+    """talker.code2wav_fuse: every SnakeBeta of code2wav runs the compiled kernel, and the waveform stays
+    transformers' (float32 here: the same arithmetic, rounded once)."""
+    from services.model.load import load_component
+    from services.talker import speech
+
+    code2wav = load_component("code2wav", tiny_model).requires_grad_(False)
+    groups, vocab = code2wav.config.num_quantizers, code2wav.config.codebook_size
+    codes = torch.randint(0, vocab, (2, groups, 6), generator=torch.Generator().manual_seed(0))
+    speech._fused_snake.cache_clear()
+    with torch.no_grad():
+        want = code2wav(codes)
+        blocks = len(code2wav.config.upsample_rates)
+        assert speech.fuse_activations_(code2wav) == 7 * blocks + 1  # 1 + 3 residual units x 2 a block, 1 at the end
+        assert speech._fused_snake.cache_info().currsize == 0
+        got = code2wav(codes)
+    assert speech._fused_snake.cache_info().currsize == 1  # the compiled kernel ran
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -66,7 +66,8 @@ class NativeTalker(SpeechEngine):
                  fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
                  code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
-                 step_graphs: int = 0, decode_tensor_cores: bool = True, decode_split_kv_max_batch: int = -1):
+                 step_graphs: int = 0, decode_tensor_cores: bool = True, decode_split_kv_max_batch: int = -1,
+                 code2wav_fuse: bool = False):
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         if compile:
@@ -81,7 +82,7 @@ class NativeTalker(SpeechEngine):
         talker.to(device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
         fuse_projections_(talker)
         super().__init__(talker, model_dir, device, dtype, load_format, seed,
-                         (first_chunk_frames, chunk_frames, left_context_frames, chunk_growth), code2wav_dtype)
+                         (first_chunk_frames, chunk_frames, left_context_frames, chunk_growth), code2wav_dtype, code2wav_fuse)
         text, cp = config.talker_config.text_config, config.talker_config.code_predictor_config
         blocks = kv_blocks or self._fitting_blocks(text, block_size)
         # One block more than the allocator hands out: padding rows of captured steps write there.

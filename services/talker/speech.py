@@ -1,12 +1,15 @@
 """What every talker engine shares: the request, how its prompt is built from the thinker's states, the
 text each frame adds, and chunked code2wav. Engines differ in how they run the talker and code predictor."""
 
+import functools
 import time
+import types
 from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from services.llm.host import upload, upload_into
@@ -130,16 +133,47 @@ class Vocoding:
     end: object
 
 
+def _snake(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor, eps: float) -> torch.Tensor:
+    """SnakeBeta, x + sin(x * alpha)^2 / beta with alpha, beta = exp of the module's parameters, as transformers'
+    Qwen3OmniMoeSnakeBeta computes it: x [B, C, T], the parameters [C]."""
+    alpha, beta = log_alpha.exp()[None, :, None], log_beta.exp()[None, :, None]
+    return x + (1.0 / (beta + eps)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+@functools.cache
+def _fused_snake():
+    return torch.compile(_snake, dynamic=True)  # one kernel for every shape: batch, channels and length symbolic
+
+
+def _snake_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return _fused_snake()(x, self.alpha, self.beta, self.no_div_by_zero)
+
+
+def fuse_activations_(code2wav: nn.Module) -> int:
+    """Each SnakeBeta activation of `code2wav` as one compiled kernel (talker.code2wav_fuse): eager, it is six
+    passes over the whole signal (a multiply, a sine, a square, a multiply, an add, each reading and writing it),
+    and code2wav runs 29 of them, most at its highest sample rates. The same arithmetic, rounded once. Returns how
+    many were fused."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+
+    snakes = [m for m in code2wav.modules() if isinstance(m, Qwen3OmniMoeSnakeBeta)]
+    for m in snakes:
+        m.forward = types.MethodType(_snake_forward, m)
+    return len(snakes)
+
+
 class SpeechEngine:
     """The engine protocol's request handling, shared; subclasses implement `step`."""
 
     def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int, float],
-                 code2wav_dtype: torch.dtype | None = None):
+                 code2wav_dtype: torch.dtype | None = None, code2wav_fuse: bool = False):
         self.device, self.dtype, self.talker = torch.device(device), dtype, talker
         # code2wav may run in another precision than the talker (talker.code2wav_dtype; bench.stages code2wav
         # measures each against float32).
         self.code2wav = load_component("code2wav", model_dir, device, code2wav_dtype or dtype, load_format,
                                        seed).requires_grad_(False)
+        if code2wav_fuse:  # talker.code2wav_fuse
+            fuse_activations_(self.code2wav)
         self.spec = spec = OmniSpec.load(model_dir)
         tc = spec.talker
         self.voices = spec.voices
