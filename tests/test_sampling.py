@@ -140,3 +140,23 @@ def test_compiled_tensor_settings_draw_what_eager_draws():
     for b in (24, 8):
         args = (logits[:b], temps[:b], top_k[:b], top_p[:b], seeds[:b], counters[:b], 50)
         assert torch.equal(compiled(*args), sample_tensors(*args))
+
+
+def test_argmax_in_chunks_is_argmax():
+    """sampling.argmax_rows: a vocabulary that splits into 256 chunks is reduced chunk by chunk, then across them;
+    the first of equal maxima wins, as with argmax, whether they share a chunk or not; eager and compiled."""
+    from services.llm.sampling import argmax_rows
+
+    v = 152064  # the thinker's vocabulary: 256 chunks of 594
+    x = torch.randn(6, v, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).float()
+    x[1, [5, 600, 151000]] = 9.0  # ties in three chunks
+    x[2, [700, 701]] = 9.0  # ties in one chunk
+    x[3] = 0.0  # every logit equal
+    x[4, v - 1] = 9.0  # in the last place
+    x[5, :594] = -9.0  # the first chunk all low
+    want = x.argmax(-1)
+    assert want[:5].tolist() == [want[0].item(), 5, 700, 0, v - 1]
+    assert torch.equal(argmax_rows(x), want)
+    assert torch.equal(torch.compile(argmax_rows, dynamic=True)(x), want)
+    small = torch.randn(3, 3072)  # the talker's codes: one reduction, as before
+    assert torch.equal(argmax_rows(small), small.argmax(-1))
