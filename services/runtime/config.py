@@ -245,7 +245,7 @@ class TalkerConfig(LMStageConfig):
     # each precision's waveforms against float32's, and its speed).
     code2wav_dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     # Either engine: code2wav's SnakeBeta activations each one compiled kernel (inductor, shapes dynamic: one
-    # compile), where eager each is six passes over the signal. At 32 requests code2wav's stream was busy 1.33 s
+    # compile), where eager each is five passes over the signal. At 32 requests code2wav's stream was busy 1.33 s
     # of 2.95, beside the frame loop's 2.73, whose kernels it slows
     # (bench/results/talker-1xh200-step-graphs-2048-1d24a71.json). Off until measured.
     code2wav_fuse: bool = False

@@ -150,9 +150,9 @@ def _snake_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def fuse_activations_(code2wav: nn.Module) -> int:
-    """Each SnakeBeta activation of `code2wav` as one compiled kernel (talker.code2wav_fuse): eager, it is six
-    passes over the whole signal (a multiply, a sine, a square, a multiply, an add, each reading and writing it),
-    and code2wav runs 29 of them, most at its highest sample rates. The same arithmetic, rounded once. Returns how
+    """Each SnakeBeta activation of `code2wav` as one compiled kernel (talker.code2wav_fuse): eager, it is five
+    passes over the whole signal (a multiply, a sine, a square, a multiply, an add, each reading and writing it)
+    and a few small ones for its parameters, and code2wav runs 29 of them, most at its highest sample rates. The same arithmetic, rounded once. Returns how
     many were fused."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
 
