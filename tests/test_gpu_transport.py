@@ -234,6 +234,32 @@ def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work()
         t.close()  # its pool's name (pid-stamped) is free for the next test
 
 
+def test_host_refs_read_to_a_busy_gpu_wait_for_their_own_copy():
+    """A ref to host memory (a shared-memory slot, or bytes in the message) read to a GPU whose stream the stage's
+    engine keeps busy (the encoder's, taking in pixels): the get returns while that work still runs, and the bytes
+    are exact. From pageable memory on the caller's stream, the copy waited for all of it first."""
+    from services.runtime.transport import Transport
+
+    shm, inline = Transport(CFG, "busyhost", "local"), Transport(CFG, "busyinline", "")
+    try:
+        placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
+        x = tensor(3 * len(DTYPES), "cpu")  # float32 (256, 2048): 2 MB
+        for t, where in ((shm, "shm"), (inline, "inline_data")):
+            t.get(t.put(x, placement), "cuda:0")  # pinned memory allocated once, before the stream is kept busy
+            ref = t.put(x, placement)
+            assert ref.WhichOneof("location") == where
+            with torch.cuda.device("cuda:0"):
+                _busy("cuda:0")
+                got = t.get(ref, "cuda:0")
+                still_busy = not torch.cuda.current_stream().query()
+                torch.cuda.synchronize()
+            assert still_busy, f"the get of a {where} ref waited for the stream's other work"
+            assert got.device == torch.device("cuda:0") and torch.equal(got.cpu(), x), where
+    finally:
+        shm.close()
+        inline.close()
+
+
 @pytest.mark.parametrize("lanes", [1, 4])
 def test_a_read_from_another_gpu_in_lanes_is_bit_exact(lanes):
     """cuda_ipc.read from a pool on GPU0 into GPU1 (the same GPU when there is one), whole or in parallel parts:

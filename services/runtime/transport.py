@@ -288,7 +288,7 @@ class Transport:
                 raise ValueError(f"TensorRef inline data has {len(ref.inline_data)} bytes, shape {shape} needs {count * dtype.itemsize}")
             out = torch.frombuffer(bytearray(ref.inline_data), dtype=dtype).reshape(shape) if count else torch.empty(shape, dtype=dtype)
             self._count("inline", "in", len(ref.inline_data))
-            return out.to(device)
+            return _from_host(out, device)
         if where not in ("shm", "cuda"):
             raise ValueError("TensorRef has no location")
         s = getattr(ref, where)
@@ -302,7 +302,8 @@ class Transport:
         if not live():
             raise ValueError(f"slot {s.pool}/{s.slot} was released or reclaimed before it was read")
         if where == "shm":
-            out = torch.frombuffer(self._view(s.pool).mm, dtype=dtype, count=count, offset=s.offset).reshape(shape).to(device, copy=True)
+            out = _from_host(torch.frombuffer(self._view(s.pool).mm, dtype=dtype, count=count, offset=s.offset).reshape(shape),
+                             device, copy=True)
         else:
             from services.runtime.cuda_ipc import read, read_pulled
 
@@ -366,3 +367,23 @@ class Transport:
             self._pool.close()
         for pool in self._cuda_pools.values():
             pool.close()
+
+
+def _from_host(src: torch.Tensor, device, copy: bool = False) -> torch.Tensor:
+    """Host tensor `src` on `device` (a copy of it with `copy`: a pool slot's bytes). To a GPU it goes through
+    pinned memory on the transport's own stream, and only that stream is waited for: from pageable memory on the
+    caller's stream, the copy first waited for everything the stage's engine had queued there, so an encoder's
+    get of the next request's pixels waited for the batch being encoded, holding up the thread that takes in
+    requests."""
+    target = torch.device(device)
+    if target.type != "cuda":
+        return src.to(target, copy=copy)
+    from services.runtime.cuda_ipc import _stream
+
+    stream = _stream(target)
+    staged = src.pin_memory()
+    with torch.cuda.stream(stream):
+        out = staged.to(target, non_blocking=True)
+    stream.synchronize()
+    out.record_stream(torch.cuda.current_stream(target))  # made on the transport's stream, used on the caller's
+    return out
