@@ -381,7 +381,9 @@ def _from_host(src: torch.Tensor, device, copy: bool = False) -> torch.Tensor:
     from services.runtime.cuda_ipc import _stream
 
     stream = _stream(target)
-    staged = src.pin_memory()
+    staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    # Copied on this thread alone: torch's copy would split it over a thread per core and leave them spinning.
+    np.copyto(staged.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
     with torch.cuda.stream(stream):
         out = staged.to(target, non_blocking=True)
     stream.synchronize()
