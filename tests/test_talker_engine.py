@@ -416,17 +416,17 @@ def test_fused_activations_keep_code2wavs_waveform(tiny_model):
     """talker.code2wav_fuse: every SnakeBeta of code2wav runs the compiled kernel, and the waveform stays
     transformers' (float32 here: the same arithmetic, rounded once)."""
     from services.model.load import load_component
-    from services.talker import speech
+    from services.talker import code2wav as fused
 
     code2wav = load_component("code2wav", tiny_model).requires_grad_(False)
     groups, vocab = code2wav.config.num_quantizers, code2wav.config.codebook_size
     codes = torch.randint(0, vocab, (2, groups, 6), generator=torch.Generator().manual_seed(0))
-    speech._fused_snake.cache_clear()
+    fused._fused_snake.cache_clear()
     with torch.no_grad():
         want = code2wav(codes)
         blocks = len(code2wav.config.upsample_rates)
-        assert speech.fuse_activations_(code2wav) == 7 * blocks + 1  # 1 + 3 residual units x 2 a block, 1 at the end
-        assert speech._fused_snake.cache_info().currsize == 0
+        assert fused.fuse_activations_(code2wav) == 7 * blocks + 1  # 1 + 3 residual units x 2 a block, 1 at the end
+        assert fused._fused_snake.cache_info().currsize == 0
         got = code2wav(codes)
-    assert speech._fused_snake.cache_info().currsize == 1  # the compiled kernel ran
+    assert fused._fused_snake.cache_info().currsize == 1  # the compiled kernel ran
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

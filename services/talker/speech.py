@@ -1,15 +1,12 @@
 """What every talker engine shares: the request, how its prompt is built from the thinker's states, the
 text each frame adds, and chunked code2wav. Engines differ in how they run the talker and code predictor."""
 
-import functools
 import time
-import types
 from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-from torch import nn
 from transformers import DynamicCache
 
 from services.llm.host import upload, upload_into
@@ -18,6 +15,7 @@ from services.llm.sampling import SamplingParams
 from services.model.load import load_component
 from services.model.spec import OmniSpec
 from services.runtime.errors import InvalidArgument
+from services.talker.code2wav import fuse_activations_
 
 # The code predictor's own sampling in transformers (fixed there, whatever the talker's settings).
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
@@ -131,35 +129,6 @@ class Vocoding:
     pcm: torch.Tensor  # [B, samples] float32: pinned host memory a side stream copies into, or already there
     begin: object  # marks (see `mark`) before the work and after the copy out
     end: object
-
-
-def _snake(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor, eps: float) -> torch.Tensor:
-    """SnakeBeta, x + sin(x * alpha)^2 / beta with alpha, beta = exp of the module's parameters, as transformers'
-    Qwen3OmniMoeSnakeBeta computes it: x [B, C, T], the parameters [C]."""
-    alpha, beta = log_alpha.exp()[None, :, None], log_beta.exp()[None, :, None]
-    return x + (1.0 / (beta + eps)) * torch.pow(torch.sin(x * alpha), 2)
-
-
-@functools.cache
-def _fused_snake():
-    return torch.compile(_snake, dynamic=True)  # one kernel for every shape: batch, channels and length symbolic
-
-
-def _snake_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return _fused_snake()(x, self.alpha, self.beta, self.no_div_by_zero)
-
-
-def fuse_activations_(code2wav: nn.Module) -> int:
-    """Each SnakeBeta activation of `code2wav` as one compiled kernel (talker.code2wav_fuse): eager, it is five
-    passes over the whole signal (a multiply, a sine, a square, a multiply, an add, each reading and writing it)
-    and a few small ones for its parameters, and code2wav runs 29 of them, most at its highest sample rates. The same arithmetic, rounded once. Returns how
-    many were fused."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
-
-    snakes = [m for m in code2wav.modules() if isinstance(m, Qwen3OmniMoeSnakeBeta)]
-    for m in snakes:
-        m.forward = types.MethodType(_snake_forward, m)
-    return len(snakes)
 
 
 class SpeechEngine:
