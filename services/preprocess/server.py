@@ -128,8 +128,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.preprocess.replicas[replica]
     # One intra-op thread here too, whatever the pool: this process only moves bytes (each item's features into
-    # the shared pool), and a copy split over a thread per core leaves each of them spinning for its next task
-    # (a 1.5 MB copy every 10 ms: 5.8 ms of CPU each on two threads, 0.3 on one, on a 2-core machine). On the
+    # the shared pool), and a copy split over a thread per core leaves each of them spinning for its next task. On the
     # 32-core 2xH200 host this process took about 300 ms of CPU a request, 1.4-1.5 cores a replica at 32 image
     # or audio requests and 2.8 at 32 s2s (stage_cpu_frac in bench/results/2xh200-mesh-{1d24a71,*-acc04a2}.json):
     # cores the decoders and the engines' host loops need. That the spinning was all of it is yet to be measured.
