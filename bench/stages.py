@@ -11,6 +11,7 @@ Each stage runs on its config replica's device unless --device says otherwise.
 """
 
 import argparse
+import contextlib
 import math
 import shlex
 import statistics
@@ -347,11 +348,12 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     each streaming shape of the config's plan (frames with their left context) for each of --batches on the
     same random codes, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it), and the
     waveforms held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by; a precision
-    named with "+fuse" (bfloat16+fuse) runs with its activations fused, as talker.code2wav_fuse runs it."""
+    named with "+fuse" (bfloat16+fuse) runs with its activations fused, as talker.code2wav_fuse runs it, and with
+    "+tune" its graphs captured with cuDNN's convolution algorithms chosen by timing, as talker.code2wav_tune."""
     from services.llm.graphs import CapturedGraphs
     from services.model.load import load_component, load_config as model_config
 
-    from services.talker.code2wav import fuse_activations_
+    from services.talker.code2wav import fuse_activations_, tuned_convolutions
     from services.talker.speech import chunk_plan
 
     dev, tc = torch.device(device), cfg.talker
@@ -359,11 +361,11 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     dtypes = ["float32"] + [d for d in args.code2wav_dtypes.split(",") if d and d != "float32"]
 
     def model_for(name: str):
-        dtype = name.removesuffix("+fuse")
-        if dtype not in DTYPES:
-            raise SystemExit(f"--code2wav-dtypes: unknown precision {name!r}")
+        dtype, *mods = name.split("+")
+        if dtype not in DTYPES or not set(mods) <= {"fuse", "tune"}:
+            raise SystemExit(f"--code2wav-dtypes: unknown precision {name!r} (a precision, then +fuse, +tune)")
         model = load_component("code2wav", cfg.model.dir, dev, DTYPES[dtype], cfg.model.load_format, cfg.model.seed)
-        if name.endswith("+fuse"):
+        if "fuse" in mods:
             fuse_activations_(model)
         return model.requires_grad_(False)
 
@@ -379,7 +381,8 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
                 model = models[d]
                 with torch.no_grad():
                     if dev.type == "cuda":
-                        graph = CapturedGraphs([b], lambda n, model=model: model(codes[:n]), dev)
+                        with tuned_convolutions() if "+tune" in d else contextlib.nullcontext():
+                            graph = CapturedGraphs([b], lambda n, model=model: model(codes[:n]), dev)
                         call = lambda graph=graph: graph.replay(b)  # noqa: E731
                     else:
                         call = lambda model=model: model(codes)  # noqa: E731
@@ -429,7 +432,7 @@ def parse_args(argv=None):
                         "a -c2w-inline one waits for code2wav in the frame loop (no side stream)")
     p.add_argument("--encoder-batches", type=ints, default=[1, 8, 32])
     p.add_argument("--code2wav-dtypes", default="bfloat16",
-                   help="code2wav stage: precisions held to float32 (float32 always runs); NAME+fuse: activations fused")
+                   help="code2wav stage: precisions held to float32 (float32 always runs); NAME+fuse: activations fused, NAME+tune: convolutions tuned (both: NAME+fuse+tune)")
     p.add_argument("--preprocess-items", type=int, default=8)
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--clip-seconds", type=float, default=7.0)

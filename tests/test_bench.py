@@ -356,6 +356,9 @@ def test_code2wav_precisions_against_float32(bench_dir):
         else:
             assert 0 < c["rel_l2"] < 0.1 and c["snr_db"] > 20, c
     assert "SNR dB" in report.main([str(out)])[0].read_text()
+    with pytest.raises(SystemExit, match="unknown precision 'bfloat16\\+fast'"):
+        stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "code2wav", "--batches", "1",
+                     "--device", "cpu", "--code2wav-dtypes", "bfloat16+fuse+tune,bfloat16+fast"])
 
 
 def test_thinker_modes_share_one_engine(bench_dir):
