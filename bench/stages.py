@@ -349,11 +349,12 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     same random codes, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it), and the
     waveforms held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by; a precision
     named with "+fuse" (bfloat16+fuse) runs with its activations fused, as talker.code2wav_fuse runs it, and with
-    "+tune" its graphs captured with cuDNN's convolution algorithms chosen by timing, as talker.code2wav_tune."""
+    "+tune" its graphs captured with cuDNN's convolution algorithms chosen by timing (no difference on an H200:
+    bench/results/code2wav-1xh200-tune-6bc2f0d.json; the talker does not)."""
     from services.llm.graphs import CapturedGraphs
     from services.model.load import load_component, load_config as model_config
 
-    from services.talker.code2wav import fuse_activations_, tuned_convolutions
+    from services.talker.code2wav import fuse_activations_
     from services.talker.speech import chunk_plan
 
     dev, tc = torch.device(device), cfg.talker
@@ -394,6 +395,19 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
                 yield {"stage": "code2wav", "mode": d, "item": f"{frames} frames", "batch": b, "step_ms": 1000 * seconds / reps,
                        "audio_s_per_s": b * new_frames[frames] / FRAMES_PER_SECOND * reps / seconds, "rel_l2": err,
                        "snr_db": None if err == 0 else -20 * math.log10(err)}
+
+
+@contextlib.contextmanager
+def tuned_convolutions():
+    """cuDNN chooses each convolution's algorithm by timing the candidates (torch.backends.cudnn.benchmark) inside
+    this block, by its heuristics outside it: code2wav's "+tune" graphs are captured in it (their warm-up calls
+    run the timing, their replays keep what was chosen)."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
 
 
 STAGES = {"thinker": (thinker_cells, "thinker"), "hf-thinker": (hf_thinker_cells, "thinker"), "talker": (talker_cells, "talker"),

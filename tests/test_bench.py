@@ -361,6 +361,23 @@ def test_code2wav_precisions_against_float32(bench_dir):
                      "--device", "cpu", "--code2wav-dtypes", "bfloat16+fuse+tune,bfloat16+fast"])
 
 
+def test_tuned_convolutions_time_them_inside_only():
+    """code2wav's "+tune": cuDNN times convolutions inside the block (while graphs are captured) and goes back to
+    what it did before after it, an error raised inside included."""
+    before = torch.backends.cudnn.benchmark
+    for outer in (False, True):
+        torch.backends.cudnn.benchmark = outer
+        try:
+            with stages.tuned_convolutions():
+                assert torch.backends.cudnn.benchmark
+            assert torch.backends.cudnn.benchmark is outer
+            with pytest.raises(RuntimeError), stages.tuned_convolutions():
+                raise RuntimeError("capture failed")
+            assert torch.backends.cudnn.benchmark is outer
+        finally:
+            torch.backends.cudnn.benchmark = before
+
+
 def test_thinker_modes_share_one_engine(bench_dir):
     """--thinker-modes measures each batch's decode plain and overlapped on one native thinker (one prefill
     cell, it is the same in both); a mode the engine lacks is refused by name."""

@@ -430,22 +430,3 @@ def test_fused_activations_keep_code2wavs_waveform(tiny_model):
         got = code2wav(codes)
     assert fused._fused_snake.cache_info().currsize == 1  # the compiled kernel ran
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-
-
-def test_tuned_convolutions_time_them_inside_only():
-    """talker.code2wav_tune: cuDNN times convolutions inside the block (while graphs are captured) and goes back
-    to what it did before after it, an error raised inside included."""
-    from services.talker.code2wav import tuned_convolutions
-
-    before = torch.backends.cudnn.benchmark
-    for outer in (False, True):
-        torch.backends.cudnn.benchmark = outer
-        try:
-            with tuned_convolutions():
-                assert torch.backends.cudnn.benchmark
-            assert torch.backends.cudnn.benchmark is outer
-            with pytest.raises(RuntimeError), tuned_convolutions():
-                raise RuntimeError("capture failed")
-            assert torch.backends.cudnn.benchmark is outer
-        finally:
-            torch.backends.cudnn.benchmark = before

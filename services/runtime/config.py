@@ -245,15 +245,10 @@ class TalkerConfig(LMStageConfig):
     # each precision's waveforms against float32's, and its speed).
     code2wav_dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
     # Either engine: code2wav's SnakeBeta activations each one compiled kernel (inductor, shapes dynamic: one
-    # compile), where eager each is five passes over the signal. At 32 requests code2wav's stream was busy 1.33 s
-    # of 2.95, beside the frame loop's 2.73, whose kernels it slows
-    # (bench/results/talker-1xh200-step-graphs-2048-1d24a71.json). Off until measured.
+    # compile), where eager each is five passes over the signal: code2wav at 32 rows 3-4% faster, at 1 row 11-17%
+    # (bench/results/code2wav-1xh200-fuse-a7aa69a.json). Off: at 32 requests the talker's frames/s did not move
+    # past its run-to-run spread (talker-1xh200-b32-*-a7aa69a.json, configs/2xh200.yaml's talker comment).
     code2wav_fuse: bool = False
-    # native engine with code2wav_graphs: while code2wav's graphs are captured, cuDNN picks each convolution's
-    # algorithm by timing the candidates (torch.backends.cudnn.benchmark) instead of by its heuristics; the
-    # graphs keep what it picked, and nothing is timed after start-up (a request's last chunk, of any length,
-    # runs eagerly with the heuristics' choice). Off until measured.
-    code2wav_tune: bool = False
     # native engine: a frame step is launched before the previous one's codes are read (the repetition penalty
     # kept on the device), so the host's work for a step runs while the device computes the one before. A
     # frame reaches its request one step later; a request that ends on the end code computes one frame more,
@@ -270,7 +265,7 @@ class TalkerConfig(LMStageConfig):
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "code2wav_graphs": self.code2wav_graphs, "code2wav_stream": self.code2wav_stream,
-                "overlap": self.overlap, "graph_sampling": self.graph_sampling, "code2wav_tune": self.code2wav_tune}
+                "overlap": self.overlap, "graph_sampling": self.graph_sampling}
 
 
 @dataclass

@@ -1,8 +1,7 @@
-"""code2wav made faster, the module left as transformers has it: its activations fused (talker.code2wav_fuse):
-transformers' Qwen3OmniMoeCode2Wav runs each SnakeBeta as separate elementwise kernels over the whole signal, here
-each becomes one compiled kernel; and its convolutions' algorithms chosen by timing them (talker.code2wav_tune)."""
+"""code2wav's activations fused (talker.code2wav_fuse): transformers' Qwen3OmniMoeCode2Wav runs each SnakeBeta
+as separate elementwise kernels over the whole signal; here each becomes one compiled kernel, the rest of the
+module left as it is."""
 
-import contextlib
 import functools
 import types
 
@@ -37,16 +36,3 @@ def fuse_activations_(code2wav: nn.Module) -> int:
     for m in snakes:
         m.forward = types.MethodType(_snake_forward, m)
     return len(snakes)
-
-
-@contextlib.contextmanager
-def tuned_convolutions():
-    """cuDNN chooses each convolution's algorithm by timing the candidates on its first call of each shape
-    (torch.backends.cudnn.benchmark) inside this block, by its heuristics outside it: for capturing graphs
-    (talker.code2wav_tune), whose warm-up calls run the timing and whose replays keep what was chosen."""
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before

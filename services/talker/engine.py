@@ -5,7 +5,6 @@ for the whole batch); one read of the device takes the step's codes. With `overl
 the next step is launched, so the host's work for a step runs while the device computes the one before.
 Same requests and outputs as the reference engine."""
 
-import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from services.llm.sampling import CANDIDATES, SamplingParams, sample_batch
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
-from services.talker.code2wav import tuned_convolutions
 from services.talker.model import TalkerModel
 from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep, mark, seconds_between, wait_for
 
@@ -69,7 +67,7 @@ class NativeTalker(SpeechEngine):
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
                  code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
                  step_graphs: int = 0, decode_tensor_cores: bool = True, decode_split_kv_max_batch: int = -1,
-                 code2wav_fuse: bool = False, code2wav_tune: bool = False):
+                 code2wav_fuse: bool = False):
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         if compile:
@@ -139,8 +137,7 @@ class NativeTalker(SpeechEngine):
             if self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
                 self._capture(sizes, blocks, text)
             if code2wav_graphs:
-                with tuned_convolutions() if code2wav_tune else contextlib.nullcontext():  # talker.code2wav_tune
-                    self.capture_code2wav(min(cuda_graph_max_batch, max_seqs))
+                self.capture_code2wav(min(cuda_graph_max_batch, max_seqs))
         # Prompt and mixed steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
         self.pieces = pieces.build(self.talker.model, self.cache, step_graphs, max_batched_tokens, moe, blocks * block_size,
                                    self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))
