@@ -5,7 +5,9 @@ step; the talker's frame step, code predictor and code2wav), timed the same way 
 in about constant time. Ours took 0.97 ms of host time a launch for the thinker's decode step at 32 requests
 (bench/results/profile-1xh200-b32-decode-plain-f29cb53.txt: most of issue 5's 1 ms for a step's host work) and
 1.72 ms a launch for the talker's, two a frame step (profile-1xh200-talker-b32-f29cb53.txt, steps overlapped: some
-of that may be waiting for room behind the step before); its frame step took 12.4 ms, its kernels 6.3.
+of that may be waiting for room behind the step before); its frame step took 12.4 ms, its kernels 6.3. So each
+graph is also launched right behind itself, still running (as an overlapped step is), and behind another
+executable: does relaunching a running executable make the host wait for it?
 
     python -m bench.graph_launch --config configs/bench-1xh200.yaml --stages thinker,talker --set thinker.engine=native \
         --set thinker.moe=triton --set thinker.cuda_graph_max_batch=64 --set thinker.compile=true ... --out OUT.json
@@ -64,6 +66,35 @@ def launch_us(graph: "torch.cuda.CUDAGraph", reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def launch_behind_us(graph: "torch.cuda.CUDAGraph", before: "torch.cuda.CUDAGraph", reps: int) -> float:
+    """The host's time in one replay of `graph` queued right behind a replay of `before`, still running on the
+    device: `graph` itself (as a decode step is launched while the previous one runs, overlapped), or another
+    graph. Median over `reps`, each from an idle device. If relaunching an executable that is still running made
+    the host wait for it, `graph` behind itself takes about `before`'s device time and behind another its
+    launch_us."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        before.replay()
+        t0 = time.perf_counter()
+        graph.replay()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def device_us(graph: "torch.cuda.CUDAGraph", reps: int) -> float:
+    """The device's time for one replay of `graph` (events around `reps` replays back to back)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def capture(body, debug_path: str | None = None) -> "torch.cuda.CUDAGraph":
     """`body` recorded as a graph on a side stream, after one run outside it (kernels compiled and chosen); with
     `debug_path`, its DOT written there."""
@@ -116,9 +147,12 @@ def main(argv=None) -> None:
     for n in (int(k) for k in args.kernels.split(",")):
         for fork in (0, 16):
             path = dots / f"synthetic-{n}-{fork}.dot"
-            graph = capture(synthetic(n, fork, x, y, side), str(path))
+            body = synthetic(n, fork, x, y, side)
+            graph, twin = capture(body, str(path)), capture(body)  # twin: the same kernels, another executable
             cell = {"graph": f"{n} kernels" + (f", a fork every {fork}" if fork else ", straight"),
-                    "launch_us": launch_us(graph, args.reps), **dot_summary(path.read_text())}
+                    "launch_us": launch_us(graph, args.reps), "behind_itself_us": launch_behind_us(graph, graph, args.reps),
+                    "behind_another_us": launch_behind_us(graph, twin, args.reps), "device_us": device_us(graph, args.reps),
+                    **dot_summary(path.read_text())}
             if not fork and (cell["nodes"] != n or not cell["straight_line"]):  # the DOT read wrongly: say so
                 print(f"warning: a straight chain of {n} kernels read as {cell['nodes']} nodes, "
                       f"straight_line {cell['straight_line']}", flush=True)
@@ -135,8 +169,14 @@ def main(argv=None) -> None:
             for name, captured in found:
                 for b in sorted({captured.size_for(min(int(b), captured.max_batch)) for b in args.batches.split(",")}):
                     dot = dots / stage / f"graphs{captured.capture}-b{b}.dot"
-                    cell = {"graph": f"{name}, batch {b}", "launch_us": launch_us(captured.graphs[b][0], args.reps),
-                            **dot_summary(dot.read_text())}
+                    graph = captured.graphs[b][0]
+                    # Behind another executable: the next smaller size's graph (the same step for fewer rows).
+                    other = max((s for s in captured.sizes if s < b), default=None)
+                    cell = {"graph": f"{name}, batch {b}", "launch_us": launch_us(graph, args.reps),
+                            "behind_itself_us": launch_behind_us(graph, graph, args.reps),
+                            "behind_another_us": None if other is None else
+                            launch_behind_us(graph, captured.graphs[other][0], args.reps),
+                            "another": other, "device_us": device_us(graph, args.reps), **dot_summary(dot.read_text())}
                     result["cells"].append(cell)
                     write(result, args.out)
                     print(cell, flush=True)

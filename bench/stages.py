@@ -131,12 +131,13 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 prefill_s, _ = timed(lambda: prefill(seqs), dev)
                 # Steps back to back, the device drained once before and once after: an engine that overlaps a
                 # step's host work with the previous step's device work shows it (each call launches one step).
-                hosts = []
+                hosts, launches = [], []
 
                 def decode():
                     for _ in range(steps):
                         engine.step(seqs)
                         hosts.append(getattr(engine, "last_host_s", None))
+                        launches.append(getattr(engine, "last_launch_s", None))
 
                 seconds, _ = timed(decode, dev)
                 dev_ms = device_ms(lambda: engine.step(seqs), dev)
@@ -152,6 +153,8 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": name, "batch": b, "prompt_len": length,
                        "steps": steps, "seconds": seconds, "tok_per_s": b * steps / seconds, "step_ms": step_ms,
                        "device_ms_per_step": dev_ms, "host_ms_per_step": host,
+                       # of the host's time, the median step's in launching its graph (native engine)
+                       "launch_ms_per_step": 1000 * statistics.median(launches) if None not in launches else None,
                        # what of the step the device spends waiting on the host (host work not overlapped with it)
                        "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries,
                        **({"experts_touched": touched} if args.routing_stats else {})}

@@ -105,12 +105,15 @@ def test_captured_greedy_decode_agrees_with_transformers_over_256_steps(pair):
     seqs = [seq(f"d{i}", torch.randint(0, vocab, (n,), generator=gen), 256) for i, n in enumerate((300, 512, 700))]
     for s in seqs:
         engine.add(s)
-    replays = engine.graphs.replays
+    replays, launches = engine.graphs.replays, []
     while not all(s.done for s in seqs):
         engine.step(seqs)
+        launches.append((engine.last_launch_s, engine.last_host_s))
     for s in seqs:
         engine.free(s)
     assert engine.graphs.replays - replays >= 250  # every decode step after the prompts ran in a graph
+    # each step's time in launching its graph is part of its host time, and the decode steps' is not nothing
+    assert all(0 <= launch <= host for launch, host in launches) and sum(launch > 0 for launch, _ in launches) >= 250
     for s in seqs:
         full = torch.cat([s.prompt_ids, torch.tensor(s.generated[:-1])])
         ref = hf_logits(hf, full)[len(s.prompt_ids) - 1:]  # the logits that chose each generated token

@@ -9,6 +9,7 @@ rows of the outputs before the next replay overwrites them.
 """
 
 import itertools
+import time
 from typing import Callable
 
 import torch
@@ -34,6 +35,7 @@ class CapturedGraphs:
         self.sizes = sorted(sizes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.replays = 0
+        self.launch_s = 0.0  # the host's time in replay() so far: launching, and any wait the driver makes it do
         pool = None
         stream = torch.cuda.Stream(device)
         self.capture = capture = next(_captures)  # which capture of this process (the DOTs' names)
@@ -65,6 +67,8 @@ class CapturedGraphs:
     def replay(self, b: int) -> tuple:
         """Runs the graph of size `b` (inputs filled, plans made); its outputs, valid until the next replay."""
         graph, outputs = self.graphs[b]
+        t0 = time.perf_counter()
         graph.replay()
+        self.launch_s += time.perf_counter() - t0
         self.replays += 1
         return outputs

@@ -191,6 +191,7 @@ class NativeThinker:
         returns is the previous step's (and nothing, the first time)."""
         t0 = time.perf_counter()
         self.last_wait_s = 0.0
+        launched_s = self.graphs.launch_s if self.graphs is not None else 0.0
         work = self.scheduler.schedule()
         for w in work:  # a request's wait for its first step ends here
             w.seq.owner.started = w.seq.owner.started or t0
@@ -211,6 +212,8 @@ class NativeThinker:
                 out += self._step(work)
         elapsed = time.perf_counter() - t0
         self.last_host_s = elapsed - self.last_wait_s  # the step's own work on the CPU, the device's wait excluded
+        # Of which launching its graph (a wait inside the driver would show here, not in last_wait_s).
+        self.last_launch_s = (self.graphs.launch_s if self.graphs is not None else 0.0) - launched_s
         for w in work:
             if w.start < len(w.seq.owner.prompt_ids):
                 w.seq.owner.prefill_seconds += elapsed
