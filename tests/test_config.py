@@ -91,6 +91,15 @@ def test_unsplit_decode_attention_needs_the_tensor_core_kernels(tmp_path):
     assert load_config(write(tmp_path, c)).talker.native_args["decode_split_kv_max_batch"] == 16
 
 
+def test_decode_graph_copies_are_at_least_one(tmp_path):
+    c = base()
+    c["thinker"]["decode_graph_copies"] = 0
+    with pytest.raises(ConfigError, match="thinker.decode_graph_copies must be at least 1"):
+        load_config(write(tmp_path, c))
+    c["thinker"]["decode_graph_copies"] = 2
+    assert load_config(write(tmp_path, c)).thinker.native_args["decode_graph_copies"] == 2
+
+
 def test_the_two_thinker_config_differs_from_the_benchmark_one_only_where_it_means_to():
     """bench-2xh200-two-thinkers.yaml is a copy of bench-2xh200.yaml for an A/B: a copy that drifted would
     measure more than the second thinker."""

@@ -31,9 +31,14 @@ def ladder(max_batch: int) -> list[int]:
 
 class CapturedGraphs:
     @torch.no_grad()  # a recorded step never builds an autograd graph (nor a compiled variant that would)
-    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device):
+    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device, copies: int = 1):
+        """With `copies` > 1, each size is captured that many times (each copy its own executable and outputs, the
+        memory pool shared) and replay() takes them in turn, so a graph is never relaunched while its previous
+        launch may still run: a step launched behind the one the device is running (overlapped) gets the other
+        copy. Its outputs are then valid until `copies` more replays of its size."""
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.copies: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}  # size -> every copy's (graph, outputs)
+        self.turn = dict.fromkeys(self.sizes, 0)  # replays of each size so far: which copy is next
         self.replays = 0
         self.launch_s = 0.0  # the host's time in replay() so far: launching, and any wait the driver makes it do
         pool = None
@@ -45,16 +50,18 @@ class CapturedGraphs:
                 for _ in range(2):  # warm-up outside the graph: kernels chosen, workspaces allocated
                     body(b)
             torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph(keep_graph=DUMP_DIR is not None)  # kept to be dumped, then instantiated
-            if DUMP_DIR is not None:
-                graph.enable_debug_mode()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = body(b)
-            if DUMP_DIR is not None:
-                graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}.dot")
-                graph.instantiate()
-            pool = graph.pool()
-            self.graphs[b] = (graph, outputs)
+            for copy in range(copies):
+                graph = torch.cuda.CUDAGraph(keep_graph=DUMP_DIR is not None)  # kept to be dumped, then instantiated
+                if DUMP_DIR is not None:
+                    graph.enable_debug_mode()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    outputs = body(b)
+                if DUMP_DIR is not None:
+                    graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}{f'-copy{copy}' if copy else ''}.dot")
+                    graph.instantiate()
+                pool = graph.pool()
+                self.copies.setdefault(b, []).append((graph, outputs))
+        self.graphs = {b: kept[0] for b, kept in self.copies.items()}  # each size's first copy
         torch.cuda.synchronize(device)
 
     @property
@@ -65,8 +72,11 @@ class CapturedGraphs:
         return next(b for b in self.sizes if b >= n)
 
     def replay(self, b: int) -> tuple:
-        """Runs the graph of size `b` (inputs filled, plans made); its outputs, valid until the next replay."""
-        graph, outputs = self.graphs[b]
+        """Runs the graph of size `b` (its next copy; inputs filled, plans made); its outputs, valid until the next
+        replay (of its size, with copies: until as many more)."""
+        copies = self.copies[b]
+        graph, outputs = copies[self.turn[b] % len(copies)]
+        self.turn[b] += 1
         t0 = time.perf_counter()
         graph.replay()
         self.launch_s += time.perf_counter() - t0

@@ -218,11 +218,17 @@ class ThinkerConfig(LMStageConfig):
     # to host memory beside their tokens, so they go to the talker inside the message, not as one CUDA IPC
     # transfer per request and token (a put here, a read there: host time on both sides at every token).
     host_states: bool = True
+    # Each decode graph captured this many times, replayed in turn: an overlapped step, launched while the device
+    # runs the step before (of the same size, as a steady batch is), then never relaunches the executable still
+    # running. Whether relaunching one makes the host wait is what bench.graph_launch's behind_itself_us measures
+    # against behind_another_us; at 32 requests a step's median host time was 1.0-3.0 ms for the same work
+    # (bench/results/thinker-1xh200-*-a7aa69a.json, -6bc2f0d.json). 1 until measured.
+    decode_graph_copies: int = 1
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
-                "host_states": self.host_states}
+                "host_states": self.host_states, "decode_graph_copies": self.decode_graph_copies}
 
 
 @dataclass
@@ -306,6 +312,8 @@ class MeshConfig:
             if getattr(self, stage).decode_split_kv_max_batch >= 0 and not getattr(self, stage).decode_tensor_cores:
                 raise ConfigError(f"{stage}.decode_split_kv_max_batch needs {stage}.decode_tensor_cores (flashinfer's "
                                   "CUDA-core decode kernel is planned its own way)")
+        if self.thinker.decode_graph_copies < 1:
+            raise ConfigError("thinker.decode_graph_copies must be at least 1")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self
