@@ -6,14 +6,37 @@ then spends the step blocked where it meant to queue work. From pinned memory th
 those kernels like one more of them. torch's pinned-memory cache keeps each buffer until its copy is done.
 """
 
+import numpy as np
 import torch
+
+# Host lists become tensors through numpy: torch.tensor() converts element by element, some 3.5 times slower (a
+# decode step's page ids at 32 requests of 2k tokens, 4,096 of them: 352 us against 99 on this project's CPU).
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
+          torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
+
+
+def _from_lists(values, dtype: torch.dtype | None, pin: bool) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype, pin_memory=pin), the values converted by numpy."""
+    if dtype is not None and dtype not in _NUMPY:  # a type numpy lacks (bfloat16): as torch makes it
+        return torch.tensor(values, dtype=dtype, pin_memory=pin)
+    array = np.asarray(values, dtype=None if dtype is None else _NUMPY[dtype])
+    if dtype is None:  # torch.tensor's choice: Python floats become the default dtype, ints int64
+        dtype = {"f": torch.get_default_dtype(), "i": torch.int64, "b": torch.bool}.get(array.dtype.kind)
+        if dtype is None:  # ints past int64 (numpy made them uint64 or objects): torch.tensor says what is wrong
+            return torch.tensor(values, pin_memory=pin)
+        array = array.astype(_NUMPY[dtype], copy=False)
+    if not pin:
+        return torch.from_numpy(array)
+    out = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+    out.numpy()[...] = array  # numpy's copy: torch's would wake a thread per core for a large one
+    return out
 
 
 def _host(values, dtype: torch.dtype | None, pin: bool) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         host = values.to(dtype) if dtype is not None else values
         return host.pin_memory() if pin else host
-    return torch.tensor(values, dtype=dtype, pin_memory=pin)
+    return _from_lists(values, dtype, pin)
 
 
 def pinned(values, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,0 +1,33 @@
+"""Host values for the device (services.llm.host): lists converted through numpy give what torch.tensor gives."""
+
+import pytest
+import torch
+
+from services.llm.host import _from_lists, upload, upload_into
+
+CASES = [([1, 2, 3], None), ([[1, 2], [3, 4]], torch.int32), ([1.5, 2.0], None), ([0.1, 0.7], torch.float32),
+         ([True, False], None), ([], torch.int32), ([], None), ([[]], torch.long), ([2**62, -5], torch.long),
+         ([1, 2.5], None), ([3.25], torch.bfloat16), ([0.1], torch.float64), ([[0.5, 1], [2, 3]], torch.float16)]
+
+
+@pytest.mark.parametrize("values,dtype", CASES)
+def test_lists_become_what_torch_tensor_makes(values, dtype):
+    want, got = torch.tensor(values, dtype=dtype), _from_lists(values, dtype, pin=False)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("values,dtype", [([2**40], torch.int32), ([2**63], None), ([2**64], None), ([[1], [2, 3]], torch.long),
+                                          (["a"], torch.long)])
+def test_impossible_values_are_refused_as_torch_refuses_them(values, dtype):
+    with pytest.raises(Exception) as want:
+        torch.tensor(values, dtype=dtype)
+    with pytest.raises((want.type, OverflowError, ValueError)):  # numpy's word for the same (overflow, shape, type)
+        _from_lists(values, dtype, pin=False)
+
+
+def test_uploads_on_the_cpu():
+    dst = torch.zeros(2, 3, dtype=torch.long)
+    upload_into(dst, [[1, 2, 3], [4, 5, 6]])
+    assert dst.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert upload([0.5, 1.5], torch.device("cpu")).dtype == torch.get_default_dtype()
+    assert upload(torch.arange(3), torch.device("cpu"), torch.int32).dtype == torch.int32
