@@ -31,3 +31,12 @@ def test_uploads_on_the_cpu():
     assert dst.tolist() == [[1, 2, 3], [4, 5, 6]]
     assert upload([0.5, 1.5], torch.device("cpu")).dtype == torch.get_default_dtype()
     assert upload(torch.arange(3), torch.device("cpu"), torch.int32).dtype == torch.int32
+
+
+def test_the_host_lists_benchmark_measures_both_ways(tmp_path):
+    from bench import host_lists, results
+
+    host_lists.main(["--out", str(tmp_path / "h.json"), "--reps", "3"])
+    cells = results.read(tmp_path / "h.json")["cells"]
+    assert [c["values"] for c in cells] == [32, 1024, 4096]
+    assert all(c["torch_tensor_us"] > 0 and c["numpy_us"] > 0 and c["pinned"] is False for c in cells)

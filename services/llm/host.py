@@ -9,8 +9,9 @@ those kernels like one more of them. torch's pinned-memory cache keeps each buff
 import numpy as np
 import torch
 
-# Host lists become tensors through numpy: torch.tensor() converts element by element, some 3.5 times slower (a
-# decode step's page ids at 32 requests of 2k tokens, 4,096 of them: 352 us against 99 on this project's CPU).
+# Host lists become tensors through numpy: torch.tensor() converts element by element, 3.5 times slower for a
+# decode step's page ids at 32 requests of 2k tokens (4,096 of them: 347 us against 100 on the development machine's
+# CPU, bench/results/host-lists-cpu-3af9a3e.json; `python -m bench.host_lists` measures it on a GPU host, pinned).
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
           torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
 
