@@ -1,5 +1,6 @@
 """Batched sampling against the per-request reference and against the distribution it must draw from."""
 
+import pytest
 import torch
 
 from services.llm.sampling import SamplingParams, sample_batch, sample_next
@@ -106,15 +107,17 @@ def test_tensor_settings_draw_what_sample_batch_draws():
         assert got.tolist() == expected.tolist()
 
 
-def test_tied_logits_draw_the_same_token_whatever_the_candidate_count_or_batch():
+@pytest.mark.parametrize("vocab", [4096, 8192])  # candidates by one sort of the row, and by a top-k
+def test_tied_logits_draw_the_same_token_whatever_the_candidate_count_or_batch(vocab):
     """bf16 logits tie often, and topk orders ties as its kernel happens to (it differs with k and the batch):
     a row draws the same token from sample_batch beside rows with other top-ks, from sample_tensors over the
     graph's CANDIDATES, and from either alone (the case a decode graph's own draw met on the H200)."""
-    from services.llm.sampling import CANDIDATES, sample_tensors
+    from services.llm.sampling import CANDIDATES, SORTED_VOCAB, sample_tensors
 
+    assert (vocab <= SORTED_VOCAB) == (vocab == 4096)
     gen = torch.Generator().manual_seed(9)
-    logits = (torch.randn(16, 4096, generator=gen) * 3).to(torch.bfloat16)
-    logits[:, torch.randperm(4096, generator=gen)[:40]] = logits.max(-1, keepdim=True).values  # 40-way ties at the top
+    logits = (torch.randn(16, vocab, generator=gen) * 3).to(torch.bfloat16)
+    logits[:, torch.randperm(vocab, generator=gen)[:40]] = logits.max(-1, keepdim=True).values  # 40-way ties at the top
     row = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=i + 1) for i in range(16)]
     wide = [SamplingParams(temperature=0.7, top_p=0.8, top_k=50, seed=99)]
     for counter in range(6):
@@ -126,6 +129,26 @@ def test_tied_logits_draw_the_same_token_whatever_the_candidate_count_or_batch()
         drawn = sample_tensors(logits, t([0.7] * 16), t([20] * 16), t([0.8] * 16), t(list(range(1, 17))), t(c), CANDIDATES)
         assert drawn.tolist() == alone
         assert len(set(alone)) > 1 and all(logits[i, tok] == logits[i].max() for i, tok in enumerate(alone))
+
+
+def test_candidates_by_sorting_the_row_are_the_top_ks(monkeypatch):
+    """Short rows find their candidates with one stable sort (sampling.SORTED_VOCAB), long ones with a top-k:
+    the same candidates in the same order, their probabilities the same, ties inside the best k included."""
+    from services.llm import sampling
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 2048, generator=gen) * 3).to(torch.bfloat16).float()  # bf16 values: many ties
+    logits[:, :6] = logits.max(-1, keepdim=True).values  # a run of equal logits inside the best k, by id
+    temps, top_k, top_p = torch.full((8,), 0.7), torch.tensor([64, 20, 5, 64, 50, 1, 64, 30]), torch.full((8,), 0.9)
+    probs, order = sampling._candidates(logits, temps, top_k, top_p, 64)
+    monkeypatch.setattr(sampling, "SORTED_VOCAB", 0)
+    top_probs, top_order = sampling._candidates(logits, temps, top_k, top_p, 64)
+    kth = logits.topk(64).values[:, -1:]
+    inside = (logits > kth).sum(-1)  # candidates above the 64th logit: the same set either way, in the same order
+    for r in range(8):
+        n = int(inside[r])
+        assert torch.equal(order[r, :n], top_order[r, :n]) and torch.equal(probs[r, :n], top_probs[r, :n]), r
+    assert order[:, :6].sort(-1).values.tolist() == [list(range(6))] * 8 and torch.equal(order[:, :6], top_order[:, :6])
 
 
 def test_compiled_tensor_settings_draw_what_eager_draws():
