@@ -9,6 +9,10 @@ length, or the talker's frame steps (talker, code predictor, code2wav) fed synth
 
 thinker-prefill: each profiled step is `batch` fresh requests of `prompt-len` tokens taken to their first
 token (the prefill a request's time to first token waits for), its wall time printed per round.
+
+On a GPU, also the device's timeline over the profiled steps: per stream, its kernels' and copies' busy time and
+span, and across streams the time anything ran, so what the device spent idle (waiting on the host) and what ran
+side by side (code2wav's stream beside the frame loop's) show; with --trace, the whole chrome trace too.
 """
 
 import argparse
@@ -84,6 +88,35 @@ def ready(engine, seqs) -> list:
     return [s for s in seqs if engine.ready(s)]
 
 
+def timeline(spans: list[tuple[int, int, int]]) -> dict:
+    """The device's timeline from its activities' (stream, start, end) (any one clock): per stream its busy time
+    (the union of its activities) and count; across streams the span from the first start to the last end, the
+    time anything ran (union), and the sum of the streams' busy times (above the union where streams overlapped)."""
+    def union(intervals) -> int:
+        total, end = 0, None
+        for a, b in sorted(intervals):
+            if end is None or a > end:
+                total, end = total + b - a, b
+            elif b > end:
+                total, end = total + b - end, b
+        return total
+
+    streams: dict[int, list[tuple[int, int]]] = {}
+    for stream, a, b in spans:
+        streams.setdefault(stream, []).append((a, b))
+    if not spans:
+        return {"streams": {}, "span": 0, "busy": 0, "busy_sum": 0}
+    per = {k: {"busy": union(v), "activities": len(v)} for k, v in sorted(streams.items())}
+    return {"streams": per, "span": max(b for _, _, b in spans) - min(a for _, a, _ in spans),
+            "busy": union((a, b) for _, a, b in spans), "busy_sum": sum(v["busy"] for v in per.values())}
+
+
+def device_spans(tp) -> list[tuple[int, int, int]]:
+    """(stream, start ns, end ns) of every kernel, copy and fill the profiler saw on a GPU."""
+    return [(e.device_resource_id(), e.start_ns(), e.end_ns()) for e in tp.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
@@ -93,6 +126,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--stage", choices=["thinker", "talker", "thinker-prefill"], default="thinker")
+    p.add_argument("--trace", help="also write the profiled steps' chrome trace here (a GPU's timeline, kernel by kernel)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     if args.stage == "thinker-prefill":
@@ -124,6 +158,14 @@ def main(argv=None):
     print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if torch.cuda.is_available():
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+        t = timeline(device_spans(tp))
+        ms = lambda ns: f"{ns / 1e6:.2f} ms"  # noqa: E731
+        print(f"device timeline over {args.steps} steps: span {ms(t['span'])}, something running {ms(t['busy'])} "
+              f"({t['busy'] / max(t['span'], 1):.0%}), the streams' busy times summed {ms(t['busy_sum'])}")
+        for stream, v in t["streams"].items():
+            print(f"  stream {stream}: busy {ms(v['busy'])} in {v['activities']} kernels and copies")
+    if args.trace:
+        tp.export_chrome_trace(args.trace)
     return engine
 
 

@@ -235,6 +235,18 @@ def test_step_profiles(bench_dir, stage, capsys):
         assert engine.engine.scheduler.allocator.used == 0
 
 
+def test_device_timeline_unions_each_stream_and_all_of_them():
+    """bench.profile_step's timeline: stream 7 busy 0-10 and 5-12 (12), stream 9 busy 11-20 and 30-31 (10); the
+    span 0-31, something running 0-20 and 30-31 (21 of 31), the streams' busy times summed 22 (1 side by side)."""
+    from bench.profile_step import timeline
+
+    t = timeline([(7, 5, 12), (9, 11, 20), (7, 0, 10), (9, 30, 31)])
+    assert t["streams"] == {7: {"busy": 12, "activities": 2}, 9: {"busy": 10, "activities": 2}}
+    assert (t["span"], t["busy"], t["busy_sum"]) == (31, 21, 22)
+    assert timeline([]) == {"streams": {}, "span": 0, "busy": 0, "busy_sum": 0}
+    assert timeline([(1, 0, 4), (1, 1, 2), (1, 4, 6)])["busy"] == 6  # one inside another, one touching
+
+
 def test_client_ceiling():
     cells = ceiling.main(["--concurrency", "1,4", "--tokens", "16", "--chunks", "2", "--server-procs", "1"])
     assert [c["concurrency"] for c in cells] == [1, 4]
