@@ -1,4 +1,5 @@
-"""Steps as CUDA graphs: one graph per batch size of a ladder, all sharing one memory pool.
+"""Steps as CUDA graphs: one graph per batch size of a ladder (or several copies of each, replayed in turn), all
+sharing one memory pool.
 
 The engine owns the static inputs (token ids, positions, per-row sampling settings, ...) and a
 `body(batch)` that reads them and returns the step's outputs; capture records body() once per size,

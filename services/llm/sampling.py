@@ -82,7 +82,7 @@ def _padded(histories: list, device) -> torch.Tensor:
 CANDIDATES = 64  # the best logits a captured step's own draw chooses among (sample_tensors' k there)
 # Vocabularies up to this size (the talker's 3,072 codes, the code predictor's 2,048) find their candidates with one
 # stable sort of each row (ATen sorts rows this short in place), where a top-k and the two sorts that put its ties
-# in id order took 0.67 ms of a 6.4 ms frame step at 32 requests on an H200, 16 draws a frame
+# in id order took 0.67 ms of a frame step's 6.4 ms of kernels at 32 requests on an H200, 16 draws a frame
 # (bench/results/profile-1xh200-talker-b32-acc04a2.txt); not yet measured. The thinker's 152k-token rows keep the
 # top-k. Either way the candidates are the best k, equal logits in id order; only where a run of equal logits
 # crosses rank k may the top-k keep others of the run than the sort.
