@@ -100,6 +100,22 @@ def test_decode_graph_copies_are_at_least_one(tmp_path):
     assert load_config(write(tmp_path, c)).thinker.native_args["decode_graph_copies"] == 2
 
 
+def test_the_one_gpu_mesh_config_differs_from_the_benchmark_one_only_in_its_devices():
+    """bench-1xh200-mesh.yaml is bench-2xh200.yaml on one GPU (a session lent one): every stage on cuda:0, one
+    encoder for both kinds of output, the talker's KV cache sized by hand; nothing else may drift."""
+    import dataclasses
+
+    two = dataclasses.asdict(load_config(ROOT / "configs" / "bench-2xh200.yaml"))
+    one = dataclasses.asdict(load_config(ROOT / "configs" / "bench-1xh200-mesh.yaml"))
+    assert [r["device"] for r in two["encoder"].pop("replicas")] == ["cuda:0", "cuda:1"]
+    assert [(r["device"], sorted(r["prefer_for"])) for r in one["encoder"].pop("replicas")] == [("cuda:0", ["audio", "text"])]
+    for stage in ("thinker", "talker"):
+        assert [r["device"] for r in one[stage].pop("replicas")] == ["cuda:0"]
+        two[stage].pop("replicas")
+    assert one["talker"].pop("kv_blocks") == 4096 and two["talker"].pop("kv_blocks") == 0  # not half the shared GPU
+    assert one == two
+
+
 def test_the_two_thinker_config_differs_from_the_benchmark_one_only_where_it_means_to():
     """bench-2xh200-two-thinkers.yaml is a copy of bench-2xh200.yaml for an A/B: a copy that drifted would
     measure more than the second thinker."""
