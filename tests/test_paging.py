@@ -83,3 +83,35 @@ def test_dense_attention_shares_kv_heads_and_masks_like_plain_softmax():
         ref = torch.einsum("bhnt,bthd->bnhd", scores.masked_fill(future, float("-inf")).softmax(-1), vv)
         torch.testing.assert_close(out, ref.reshape(b * n, heads, d))
         cached += n
+
+
+def test_decode_page_tables_follow_their_growing_and_replaced_block_tables():
+    """flashinfer's decode plan: the page table DecodePages makes (each sequence's blocks kept as an array until
+    its table grows or is replaced) equals the one built from the lists every step, padding rows included, over
+    steps whose sequences grow by a block, are replaced by new tables (preempted), leave and come back."""
+    import random
+
+    import numpy as np
+
+    from services.llm.flashinfer_attention import DecodePages
+
+    rng = random.Random(0)
+    pages, bs, batch, scratch = DecodePages(), 4, 8, 999
+    tables = {i: [rng.randrange(500) for _ in range(3)] for i in range(6)}
+    lengths = {i: 4 * len(t) - rng.randrange(4) for i, t in tables.items()}
+    for step in range(60):
+        live = sorted(rng.sample(sorted(tables), rng.randint(0, 6)))
+        slices = [SeqSlice(tables[i], lengths[i] - 1, 1) for i in live]
+        indptr, ids, last = pages(slices, bs, batch, scratch)
+        want_ptr, want_ids, want_last = _page_table(slices, bs)
+        pad = batch - len(slices)
+        assert indptr == want_ptr + [want_ptr[-1] + 1 + i for i in range(pad)]
+        assert ids.dtype == np.int32 and ids.tolist() == want_ids + [scratch] * pad
+        assert last == want_last + [1] * pad
+        for i in live:  # each sequence moves on a token; a new block when its last one is full
+            lengths[i] += 1
+            if lengths[i] > bs * len(tables[i]):
+                tables[i] += [rng.randrange(500)]
+        if step % 7 == 3:  # one sequence preempted and recomputed: a new table of other blocks
+            i = rng.choice(sorted(tables))
+            tables[i] = [rng.randrange(500) for _ in range(len(tables[i]))]

@@ -7,6 +7,7 @@ buffers (page table, slots) keep their addresses, and `plan()` refills them befo
 Both take the step's keys and values in their slots (`kv_slots`), as `TorchAttention` does.
 """
 
+import numpy as np
 import torch
 
 from services.llm.attention import SeqSlice, kv_slots, write_kv
@@ -26,6 +27,38 @@ def _page_table(slices: list[SeqSlice], block_size: int):
         indptr.append(len(indices))
         last.append(total - (pages - 1) * block_size)
     return indptr, indices, last
+
+
+class DecodePages:
+    """A decode step's page table (flashinfer's indptr, page ids, last pages' lengths) padded to a batch, each
+    sequence's block table turned into an array once and again only when it grows (a block every block_size
+    tokens) or is replaced (preempted, freed): rebuilt from the lists every step, a step of 32 requests of 2k
+    tokens converted 4,096 ids (bench/results/host-lists-cpu-3af9a3e.json). A table is only ever appended to or
+    replaced by a new list (services.llm.scheduler), so its length says whether its array is current."""
+
+    def __init__(self):
+        self.arrays: dict[int, tuple[list[int], np.ndarray]] = {}  # id(block table) -> (the table, its array)
+
+    def __call__(self, slices: list[SeqSlice], block_size: int, batch: int, pad_page: int):
+        """-> (indptr [batch + 1] list, page ids [indptr[-1]] int32 array, last page lengths [batch] list): rows
+        past `slices` each hold one page, `pad_page`, one token long."""
+        indptr, last, parts, kept = [0], [], [], {}
+        for s in slices:
+            table = s.block_table
+            got = self.arrays.get(id(table))
+            if got is None or got[0] is not table or len(got[1]) != len(table):
+                got = table, np.asarray(table, dtype=np.int32)
+            kept[id(table)] = got  # holding the table: its id names no other list meanwhile
+            total = s.cached + s.n
+            pages = -(-total // block_size)
+            parts.append(got[1][:pages])
+            indptr.append(indptr[-1] + pages)
+            last.append(total - (pages - 1) * block_size)
+        self.arrays = kept  # the tables of sequences gone from the batch are let go
+        pad = batch - len(slices)
+        indptr += [indptr[-1] + 1 + i for i in range(pad)]
+        parts.append(np.full(pad, pad_page, dtype=np.int32))
+        return indptr, np.concatenate(parts), last + [1] * pad
 
 
 def _slots(slices: list[SeqSlice], block_size: int) -> list[int]:
@@ -107,6 +140,7 @@ class DecodeAttention(_Writer):
         self.indices = torch.zeros(cache.k.shape[1], **i32)
         self.last = torch.zeros(batch, **i32)
         self.slot_mapping = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.pages = DecodePages()
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=self.indptr,
             paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
@@ -114,12 +148,8 @@ class DecodeAttention(_Writer):
     def plan(self, slices: list[SeqSlice]) -> "DecodeAttention":
         """Page table and slots for `slices` (at most `batch`, one token each), padded to `batch`."""
         bs = self.cache.block_size
-        pad = self.batch - len(slices)
-        indptr, indices, last = _page_table(slices, bs)
-        indptr += [indptr[-1] + 1 + i for i in range(pad)]
-        indices += [self.scratch] * pad
-        last += [1] * pad
-        slots = _slots(slices, bs) + [self.scratch * bs] * pad
+        indptr, indices, last = self.pages(slices, bs, self.batch, self.scratch)
+        slots = _slots(slices, bs) + [self.scratch * bs] * (self.batch - len(slices))
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
         # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
         # copy them with a blocking copy (a second device sync in the step). The page pointers and last
