@@ -216,3 +216,16 @@ def test_a_captured_steps_own_draw_stands_for_the_sampler_where_it_can():
                              torch.tensor([p.top_p for p in drawable]), torch.tensor([p.seed for p in drawable]),
                              torch.tensor(c), CANDIDATES)
         assert got.tolist() == expected.tolist(), step
+
+
+def test_a_requests_prompt_length_is_kept_with_it():
+    """ThinkerSeq.prompt_len: the prompt's length as an int (the decode step's checks read it for every row),
+    made again by dataclasses.replace with another prompt."""
+    from dataclasses import replace
+
+    from services.llm.sampling import SamplingParams
+    from services.thinker.reference import ThinkerSeq
+
+    seq = ThinkerSeq("r", torch.arange(7), SamplingParams())
+    assert seq.prompt_len == 7 and type(seq.prompt_len) is int
+    assert replace(seq, prompt_ids=torch.arange(3)).prompt_len == 3

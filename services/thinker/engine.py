@@ -217,7 +217,7 @@ class NativeThinker:
         # Of which launching its graph (a wait inside the driver would show here, not in last_wait_s).
         self.last_launch_s = (self.graphs.launch_s if self.graphs is not None else 0.0) - launched_s
         for w in work:
-            if w.start < len(w.seq.owner.prompt_ids):
+            if w.start < w.seq.owner.prompt_len:
                 w.seq.owner.prefill_seconds += elapsed
             else:
                 w.seq.owner.decode_seconds += elapsed
@@ -245,7 +245,7 @@ class NativeThinker:
         for w in work:
             seq: ThinkerSeq = w.seq.owner
             p = seq.params
-            if (w.n != 1 or w.start < len(seq.prompt_ids) or w.start + 1 != len(w.seq.tokens)
+            if (w.n != 1 or w.start < seq.prompt_len or w.start + 1 != len(w.seq.tokens)
                     or p.repetition_penalty != 1.0 or (p.min_tokens and p.stop_token_ids)):
                 return False
         return True
@@ -345,7 +345,7 @@ class NativeThinker:
     def _graphable(self, work: list[Work]) -> bool:
         """Every sequence decodes the one token it generated last (no prompt rows, which may carry media)."""
         return (self.graphs is not None and len(work) <= self.graphs.max_batch
-                and all(w.n == 1 and w.start >= len(w.seq.owner.prompt_ids) and w.start + 1 == len(w.seq.tokens) for w in work))
+                and all(w.n == 1 and w.start >= w.seq.owner.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work))
 
     def _replay(self, work: list[Work], ids, counters: list[int], planned=None) -> tuple:
         """The decode graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters),

@@ -44,6 +44,12 @@ class ThinkerSeq:
     decode_seconds: float = 0.0
     arrived: float = field(default_factory=time.perf_counter)  # made when the request reached the stage
     started: float = 0.0  # when a step first computed it (its wait: started - arrived)
+    # len(prompt_ids), kept: a tensor's len() costs the host a microsecond, and a decode step asks for every row's
+    # three times (some 100 a step at 32 requests).
+    prompt_len: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.prompt_len = len(self.prompt_ids)
 
     @property
     def n_cached(self) -> int:
