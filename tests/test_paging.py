@@ -1,6 +1,7 @@
 """The host-side paging that the flashinfer backends hand to their kernels (CPU: no kernel runs here), and
 the ladder of captured batch sizes."""
 
+import pytest
 import torch
 
 from services.llm.attention import SeqSlice, TorchAttention, kv_slots
@@ -115,3 +116,25 @@ def test_decode_page_tables_follow_their_growing_and_replaced_block_tables():
         if step % 7 == 3:  # one sequence preempted and recomputed: a new table of other blocks
             i = rng.choice(sorted(tables))
             tables[i] = [rng.randrange(500) for _ in range(len(tables[i]))]
+
+
+def test_one_op_max_is_builtins_max():
+    """flashinfer's plans take the longest sequence with max() over a CPU tensor; one_op_max, put in their modules'
+    globals, gives what builtins.max gives (a 0-d tensor of the largest element for a 1-d tensor) and passes every
+    other use through, refusals included."""
+    import types
+
+    from services.llm.flashinfer_attention import one_op_max, quick_max
+
+    lens = torch.tensor([7, 300, 12, 300, 5], dtype=torch.int32)
+    got = one_op_max(lens)
+    assert isinstance(got, torch.Tensor) and got.dim() == 0 and got.item() == max(lens).item() == 300
+    assert one_op_max(torch.tensor([4])).item() == 4
+    assert one_op_max([3, 9, 2]) == 9 and one_op_max(5, 128) == 128 and one_op_max([], default=-1) == -1
+    assert one_op_max(["a", "bb"], key=len) == "bb"
+    for empty in (torch.tensor([]), []):
+        with pytest.raises(ValueError):
+            one_op_max(empty)
+    module = types.SimpleNamespace()
+    quick_max(module)
+    assert module.max is one_op_max
