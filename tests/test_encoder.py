@@ -203,3 +203,53 @@ def test_audio_too_short_for_one_window_is_refused_by_name(tiny_model):
         with pytest.raises(InvalidArgument, match="too short"):
             pre.audio_pcm(np.zeros(180, dtype="<i2").tobytes(), 16000, "s16le", 1)
         assert pre.audio_pcm(np.zeros(201, dtype="<i2").tobytes(), 16000, "s16le", 1).feature_length == 1
+
+
+def test_vision_plans_give_what_the_tower_derives_itself(tiny_model):
+    """The vision tower's grid-derived inputs made once per list of grids (services.encoder.plans): its outputs
+    with them are the outputs it gives deriving them itself (images of three sizes and a video, with either
+    attention); with varlen attention such a call reads nothing back from its tensors; plans are kept per list."""
+    from services.encoder.attention import use_varlen_attention
+    from services.encoder.plans import VisionPlans
+    from services.model.load import load_component
+
+    pre = Preprocessor(tiny_model, Limits())
+    feats = [pre.image(png(1, 64, 48)), pre.image(png(3, 96, 64)), pre.video([png(5 + i, 64, 64) for i in range(3)], 2.0),
+             pre.image(png(2, 64, 48))]
+    pixels = torch.cat([PixelNorm(tiny_model)(torch.from_numpy(f.values), torch.float32) for f in feats])
+    grids = tuple(tuple(f.grid_thw) for f in feats)
+    for attention in ("sdpa", "varlen"):
+        tower = load_component("vision", tiny_model).requires_grad_(False)
+        if attention == "varlen":
+            use_varlen_attention(tower)
+        plans = VisionPlans(tower, torch.device("cpu"), size=2)
+        with torch.no_grad():
+            want = tower(pixels, grid_thw=torch.tensor(grids))
+            plan = plans(grids)
+            if attention == "varlen":
+                assert isinstance(plan["max_seqlen"], int)
+                reads = []
+                def read(*args, **kwargs):  # noqa: E306
+                    reads.append(args)
+                    raise AssertionError("a planned call read a value back from a tensor")
+                with mock_host_reads(read):
+                    got = tower(pixels, **plan)
+                assert not reads
+            else:
+                got = tower(pixels, **plan)
+        assert torch.equal(got.pooler_output, want.pooler_output)
+        assert all(torch.equal(a, b) for a, b in zip(got.deepstack_features, want.deepstack_features))
+    assert plans(grids) is plan and plans.made == 1  # kept: the same plan for the same grids
+    plans(grids[:1]), plans(grids[1:2])  # two more lists: the oldest of three goes (size 2)
+    assert plans.made == 3 and grids not in plans.plans and plans(grids[:1]) is plans.plans[grids[:1]]
+
+
+def mock_host_reads(read):
+    """Every way a tensor's value reaches Python (item, tolist, int, float, bool) calls `read` instead."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    stack = ExitStack()
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        stack.enter_context(mock.patch.object(torch.Tensor, name, read))
+    return stack

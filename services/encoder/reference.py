@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.encoder.attention import use_varlen_attention
+from services.encoder.plans import VisionPlans
 from services.model.load import load_component
 from services.model.spec import audio_tokens
 from services.preprocess.media import LogMel, PixelNorm
@@ -53,6 +54,7 @@ class ReferenceEncoder:
             raise ValueError(f"encoder attention must be varlen or sdpa, not {attention!r}")
         if compile:  # calls and attributes pass through to the towers; their kernels compiled at first use
             self.vision, self.audio = torch.compile(self.vision, dynamic=True), torch.compile(self.audio, dynamic=True)
+        self.plans = VisionPlans(self.vision, self.device)  # what the vision tower derives from its grids, kept
         vc = self.vision.config
         self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         self.mel_bins = self.audio.config.num_mel_bins
@@ -119,7 +121,7 @@ class ReferenceEncoder:
         visual = [i for i in items if i.kind != "audio"]
         if visual:
             out = self.vision(torch.cat([self.pixels(i.values.to(self.device), self.dtype) for i in visual]),
-                              grid_thw=torch.tensor([i.grid_thw for i in visual], device=self.device))
+                              **self.plans(tuple(tuple(i.grid_thw) for i in visual)))
             sizes = [i.grid_thw[0] * i.grid_thw[1] * i.grid_thw[2] // self.vision.spatial_merge_size**2 for i in visual]
             taps = [d.split(sizes) for d in out.deepstack_features]
             for n, (item, e) in enumerate(zip(visual, out.pooler_output.split(sizes))):
@@ -142,7 +144,7 @@ class ReferenceEncoder:
             lens = torch.tensor([x.shape[1]], device=self.device)
             return Encoded(self.audio(x, feature_lens=lens).last_hidden_state)
         x = self.pixels(item.values.to(self.device), self.dtype)
-        out = self.vision(x, grid_thw=torch.tensor([item.grid_thw], device=self.device))
+        out = self.vision(x, **self.plans((tuple(item.grid_thw),)))
         return Encoded(out.pooler_output, list(out.deepstack_features))
 
     def _mel(self, item: Item) -> torch.Tensor:
