@@ -332,17 +332,19 @@ def encoder_cells(cfg: MeshConfig, device: str, args):
 
     ec = cfg.encoder
     engine = ReferenceEncoder(cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
-                              batch=ec.batch, attention=ec.attention, compile=ec.compile)
+                              batch=ec.batch, attention=ec.attention, compile=ec.compile, graphs=ec.graphs)
     for kind, (decode, data) in media_items(cfg, args).items():
         f = decode(data)
         item = Item(kind, torch.from_numpy(f.values), f.grid_thw)
         for b in args.encoder_batches:
-            engine.step([EncodeJob([item]) for _ in range(b)])  # warm-up at this batch (compiled towers: its shapes)
+            for _ in range(2):  # warm-up at this batch (compiled towers: its shapes; graphs: captured at the second)
+                engine.step([EncodeJob([item]) for _ in range(b)])
             jobs = [EncodeJob([item]) for _ in range(b)]
             for j in jobs:
                 engine.add(j)
             seconds, _ = timed(lambda: engine.step(jobs), engine.device)
-            yield {"stage": "encoder", "item": kind, "batch": b, "batched": ec.batch, "attention": ec.attention, "compiled": ec.compile,
+            yield {"stage": "encoder", "item": kind, "batch": b, "batched": ec.batch, "attention": ec.attention,
+                   "compiled": ec.compile, "graphs": ec.graphs,
                    "tokens_per_item": f.num_tokens, "seconds": seconds, "items_per_s": b / seconds, "step_ms": 1000 * seconds}
 
 

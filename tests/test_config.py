@@ -91,6 +91,15 @@ def test_unsplit_decode_attention_needs_the_tensor_core_kernels(tmp_path):
     assert load_config(write(tmp_path, c)).talker.native_args["decode_split_kv_max_batch"] == 16
 
 
+def test_encoder_graphs_need_varlen_attention(tmp_path):
+    c = base()
+    c["encoder"].update(graphs=True, attention="sdpa")
+    with pytest.raises(ConfigError, match="encoder.graphs needs encoder.attention: varlen"):
+        load_config(write(tmp_path, c))
+    c["encoder"]["attention"] = "varlen"
+    assert load_config(write(tmp_path, c)).encoder.graphs is True
+
+
 def test_decode_graph_copies_are_at_least_one(tmp_path):
     c = base()
     c["thinker"]["decode_graph_copies"] = 0

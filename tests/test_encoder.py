@@ -244,6 +244,15 @@ def test_vision_plans_give_what_the_tower_derives_itself(tiny_model):
     assert plans.made == 3 and grids not in plans.plans and plans(grids[:1]) is plans.plans[grids[:1]]
 
 
+def test_encoder_graphs_are_refused_where_they_cannot_run(tiny_model):
+    """encoder.graphs needs a GPU and varlen attention: asked for on the CPU, or with sdpa, the engine says so."""
+    import pytest
+
+    for attention in ("varlen", "sdpa"):
+        with pytest.raises(ValueError, match="encoder graphs need a GPU and varlen attention"):
+            ReferenceEncoder(tiny_model, batch=True, attention=attention, graphs=True)
+
+
 def mock_host_reads(read):
     """Every way a tensor's value reaches Python (item, tolist, int, float, bool) calls `read` instead."""
     from contextlib import ExitStack

@@ -41,3 +41,39 @@ def test_full_size_towers_with_varlen_attention_track_transformers_sdpa(tmp_path
         for a, b in zip([x.embeds] + x.deepstack, [y.embeds] + y.deepstack):
             rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
             assert rel < 2e-2, (f.kind, rel)
+
+
+def test_vision_graphs_give_the_eager_towers_embeddings(tmp_path):
+    """encoder.graphs: the vision tower replayed from CUDA graphs (one 512x512 image captured at start, two of
+    them once seen twice) gives the eager tower's embeddings and DeepStack features, bit for bit or within bf16's
+    rounding, step after step; a 256x256 image beside them runs eagerly until its list recurs. Times print."""
+    from bench.workloads import image_png
+    from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
+    from services.model.build import build_full_skeleton
+    from services.preprocess.media import Preprocessor
+    from services.runtime.config import Limits
+
+    model_dir = build_full_skeleton(tmp_path / "model")
+    pre = Preprocessor(model_dir, Limits())
+    feats = [pre.image(image_png(s, n)) for s, n in ((0, 512), (1, 512), (2, 256))]
+    items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
+    args = (model_dir, "cuda:0", torch.bfloat16, "random", 0)
+    eager = ReferenceEncoder(*args, batch=True, attention="varlen")
+    graphed = ReferenceEncoder(*args, batch=True, attention="varlen", graphs=True)
+    graphed.warm()
+    assert len(graphed.vision_graphs.graphs) == 1  # the warm-up's one 512x512 image
+    for step, jobs in enumerate([[items[:1]], [items[:2]], [items[:2]], [items[:2]], [items[2:]], [items[:1]]]):
+        want = [e for _, enc in eager.step([EncodeJob(j) for j in jobs]) for e in enc]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got = [e for _, enc in graphed.step([EncodeJob(j) for j in jobs]) for e in enc]
+        torch.cuda.synchronize()
+        print(f"step {step}: {len(got)} images in {1000 * (time.perf_counter() - t0):.1f} ms, "
+              f"{graphed.vision_graphs.replays} replays so far")
+        for x, y in zip(want, got):
+            for a, b in zip([x.embeds] + x.deepstack, [y.embeds] + y.deepstack):
+                rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
+                assert rel < 1e-2, (step, rel)
+    # replayed: the warm-up's own step, steps 0 and 5 (one image, captured at start), steps 2 and 3 (two images,
+    # captured at their second sighting)
+    assert graphed.vision_graphs.replays == 5 and len(graphed.vision_graphs.graphs) == 2

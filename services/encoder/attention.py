@@ -35,6 +35,12 @@ def _layout(cu: torch.Tensor, tokens: int, longest: int) -> tuple[torch.Tensor, 
     return item, place, valid
 
 
+def forget_layout() -> None:
+    """Drops the kept layout: a graph being captured must compute its own (its memory the graph's, remade at each
+    replay), not read tensors that go when the next call's layout replaces them."""
+    _layouts.last = None
+
+
 def varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, cu_seq_lens_q=None,
                      max_length_q=None, is_causal=False, **kwargs):
     """query, key, value [1, heads, tokens, head_dim] packed items -> ([1, tokens, heads, head_dim], None)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.encoder.attention import use_varlen_attention
+from services.encoder.graphs import VisionGraphs
 from services.encoder.plans import VisionPlans
 from services.model.load import load_component
 from services.model.spec import audio_tokens
@@ -43,7 +44,7 @@ class ReferenceEncoder:
     request the step holds (the towers attend within each item); without, one call per item."""
 
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                 seed: int = 0, batch: bool = False, attention: str = "sdpa", compile: bool = False):
+                 seed: int = 0, batch: bool = False, attention: str = "sdpa", compile: bool = False, graphs: bool = False):
         self.device, self.dtype, self.batch = torch.device(device), dtype, batch
         self.vision = load_component("vision", model_dir, device, dtype, load_format, seed)
         self.audio = load_component("audio", model_dir, device, dtype, load_format, seed)
@@ -55,6 +56,11 @@ class ReferenceEncoder:
         if compile:  # calls and attributes pass through to the towers; their kernels compiled at first use
             self.vision, self.audio = torch.compile(self.vision, dynamic=True), torch.compile(self.audio, dynamic=True)
         self.plans = VisionPlans(self.vision, self.device)  # what the vision tower derives from its grids, kept
+        self.vision_graphs = None  # encoder.graphs: the vision tower replayed from CUDA graphs
+        if graphs:
+            if self.device.type != "cuda" or attention != "varlen":
+                raise ValueError("encoder graphs need a GPU and varlen attention (sdpa reads lengths back every layer)")
+            self.vision_graphs = VisionGraphs(self.vision, self.plans, self.device)
         vc = self.vision.config
         self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         self.mel_bins = self.audio.config.num_mel_bins
@@ -63,11 +69,14 @@ class ReferenceEncoder:
 
     def warm(self, image_side: int = 512, clip_seconds: float = 7.0) -> None:
         """One image of `image_side` pixels square and one clip of `clip_seconds` through the towers, so what
-        they compile or allocate at first use is done before a request waits for it."""
+        they compile or allocate at first use is done before a request waits for it (with encoder.graphs, that
+        image's graph captured)."""
         vc = self.vision.config
         side = image_side // (vc.patch_size * vc.spatial_merge_size) * vc.spatial_merge_size  # patches a side
         image = Item("image", torch.zeros(side * side, self.patch_width, dtype=torch.uint8), (1, side, side))
         clip = Item("audio", torch.zeros(self.mel_bins, int(clip_seconds * 100)))
+        if self.vision_graphs is not None:  # one image of that size: captured now, not at its second request
+            self.vision_graphs.capture(self.pixels(image.values.to(self.device), self.dtype), ((1, side, side),))
         self.step([EncodeJob([image, clip])])
 
     def add(self, job: EncodeJob) -> None:
@@ -120,11 +129,11 @@ class ReferenceEncoder:
         encoded: dict[int, Encoded] = {}
         visual = [i for i in items if i.kind != "audio"]
         if visual:
-            out = self.vision(torch.cat([self.pixels(i.values.to(self.device), self.dtype) for i in visual]),
-                              **self.plans(tuple(tuple(i.grid_thw) for i in visual)))
+            pooled, deepstack = self._vision(torch.cat([self.pixels(i.values.to(self.device), self.dtype) for i in visual]),
+                                             tuple(tuple(i.grid_thw) for i in visual))
             sizes = [i.grid_thw[0] * i.grid_thw[1] * i.grid_thw[2] // self.vision.spatial_merge_size**2 for i in visual]
-            taps = [d.split(sizes) for d in out.deepstack_features]
-            for n, (item, e) in enumerate(zip(visual, out.pooler_output.split(sizes))):
+            taps = [d.split(sizes) for d in deepstack]
+            for n, (item, e) in enumerate(zip(visual, pooled.split(sizes))):
                 encoded[id(item)] = Encoded(e, [t[n] for t in taps])
         audio = [i for i in items if i.kind == "audio"]
         if audio:
@@ -143,9 +152,16 @@ class ReferenceEncoder:
             x = self._mel(item)
             lens = torch.tensor([x.shape[1]], device=self.device)
             return Encoded(self.audio(x, feature_lens=lens).last_hidden_state)
-        x = self.pixels(item.values.to(self.device), self.dtype)
-        out = self.vision(x, **self.plans((tuple(item.grid_thw),)))
-        return Encoded(out.pooler_output, list(out.deepstack_features))
+        pooled, deepstack = self._vision(self.pixels(item.values.to(self.device), self.dtype), (tuple(item.grid_thw),))
+        return Encoded(pooled, deepstack)
+
+    def _vision(self, pixels: torch.Tensor, grids) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The vision tower's merged embeddings and DeepStack features for normalised patches of `grids`: from a
+        graph (encoder.graphs) or eagerly, its grid-derived inputs precomputed either way."""
+        if self.vision_graphs is not None:
+            return self.vision_graphs(pixels, grids)
+        out = self.vision(pixels, **self.plans(grids))
+        return out.pooler_output, list(out.deepstack_features)
 
     def _mel(self, item: Item) -> torch.Tensor:
         """An audio item's features [mel_bins, frames] in the towers' dtype: as sent, or made here from its waveform."""

@@ -43,8 +43,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.encoder.replicas[replica]
     engine = ReferenceEncoder(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
-                              batch=cfg.encoder.batch, attention=cfg.encoder.attention, compile=cfg.encoder.compile)
-    if cfg.encoder.compile:
+                              batch=cfg.encoder.batch, attention=cfg.encoder.attention, compile=cfg.encoder.compile,
+                              graphs=cfg.encoder.graphs)
+    if cfg.encoder.compile or cfg.encoder.graphs:
         engine.warm()
     return engine_stage(server, "encoder", cfg, replica, engine, lambda w, t: EncoderServicer(w, t, r.device),
                         encoder_pb2.DESCRIPTOR.services_by_name["Encoder"], exports_gpu_tensors=True)

@@ -151,6 +151,11 @@ class EncoderConfig(EngineStageConfig):
     # The towers compiled (inductor, shapes dynamic: their layers' small kernels fused), warmed up at start on
     # an image of 512x512 and a 7 s clip. Off until measured.
     compile: bool = False
+    # On a GPU, with varlen attention: the vision tower replayed from a CUDA graph per list of grids (images of
+    # one size, a step's n of them), captured at start for one 512x512 image and for any other list once it
+    # recurs (the step that captures waits for it), at most 16: eager, launching its 27 layers' kernels is most
+    # of a one-image call. Off until measured (scripts/ab-2xh200 OUT encoder, the mesh variant encoder-graphs).
+    graphs: bool = False
 
 
 @dataclass
@@ -312,6 +317,8 @@ class MeshConfig:
             if getattr(self, stage).decode_split_kv_max_batch >= 0 and not getattr(self, stage).decode_tensor_cores:
                 raise ConfigError(f"{stage}.decode_split_kv_max_batch needs {stage}.decode_tensor_cores (flashinfer's "
                                   "CUDA-core decode kernel is planned its own way)")
+        if self.encoder.graphs and self.encoder.attention != "varlen":
+            raise ConfigError("encoder.graphs needs encoder.attention: varlen (sdpa reads lengths back every layer)")
         if self.thinker.decode_graph_copies < 1:
             raise ConfigError("thinker.decode_graph_copies must be at least 1")
         if self.model.load_format == "auto" and not self.model.path:
