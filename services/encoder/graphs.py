@@ -58,7 +58,9 @@ class VisionGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         forget_layout()  # unequal items' layout made inside the graph, not the warm-up's kept one
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        # Captured while serving: the server's other threads keep using the GPU (reading requests' pixels onto it),
+        # which a capture in the default ("global") mode would refuse; their work is on other streams, not captured.
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             out = self.tower(buffer, **plan)
         forget_layout()  # nor read outside it
         self.pool = graph.pool()
