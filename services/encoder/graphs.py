@@ -1,7 +1,8 @@
 """The vision tower replayed from CUDA graphs (encoder.graphs), one per list of grids it has met often enough.
 
-Eager, a call of the vision tower launches some twenty kernels a layer for 27 layers: at one 512x512 image the host
-launching them is most of the call. With its grid-derived inputs precomputed (services.encoder.plans) a call reads
+Eager, a call of the vision tower launches its kernels one by one, some twenty a layer for 27 layers (one 512x512
+image took 28.7 ms to encode at concurrency 1 in bench/results/2xh200-mesh-default-acc04a2.json; how much of that
+is launching is what encoder.graphs' A/B measures). With its grid-derived inputs precomputed (services.encoder.plans) a call reads
 nothing back from the device, so it can be captured: the pixels go into a static buffer, the graph replays, and
 the outputs are copied out before the next replay of that graph overwrites them. A graph is captured for a list of
 grids once it has been seen `after` times (or at start, for the warm-up's), at most `limit` of them, all in one

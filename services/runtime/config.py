@@ -153,8 +153,9 @@ class EncoderConfig(EngineStageConfig):
     compile: bool = False
     # On a GPU, with varlen attention: the vision tower replayed from a CUDA graph per list of grids (images of
     # one size, a step's n of them), captured at start for one 512x512 image and for any other list once it
-    # recurs (the step that captures waits for it), at most 16: eager, launching its 27 layers' kernels is most
-    # of a one-image call. Off until measured (scripts/ab-2xh200 OUT encoder, the mesh variant encoder-graphs).
+    # recurs (the step that captures waits for it), at most 16: eager, the host launches its 27 layers' kernels one
+    # by one (one image took 28.7 ms to encode at concurrency 1 in bench/results/2xh200-mesh-default-acc04a2.json).
+    # Off until measured (scripts/ab-2xh200 OUT encoder, the mesh variant encoder-graphs).
     graphs: bool = False
 
 
