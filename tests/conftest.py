@@ -100,12 +100,13 @@ def mesh(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def native_mesh(tiny_model, tmp_path_factory):
     """The mesh with the native thinker and talker engines (small blocks and budget: requests share steps and
-    chunk), both engines' steps overlapped with their host work, batched encoders, and audio handed on as
-    waveforms whose features the encoder makes (the reference mesh: features made by preprocess)."""
+    chunk), both engines' steps overlapped with their host work, batched encoders, audio handed on as
+    waveforms whose features the encoder makes (the reference mesh: features made by preprocess), and features
+    put into shared memory by the preprocess workers themselves (the reference mesh: by the replica's process)."""
     small = {"engine": "native", "block_size": 8, "max_batched_tokens": 64, "kv_blocks": 256}
     m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker={**small, "overlap": True},
                       talker={**small, "overlap": True},
-                      encoder={"batch": True}, preprocess={"audio": "pcm"})
+                      encoder={"batch": True}, preprocess={"audio": "pcm", "put_in_workers": True})
     yield m
     codes = m.stop()
     assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"

@@ -129,6 +129,13 @@ class PreprocessConfig:
     # Audio handed on as its log-mel features, made here on the CPU (mel), or as the 16 kHz waveform, its
     # log-mel made by the encoder on its device (pcm: no spectrogram in the decoder pool).
     audio: Literal["mel", "pcm"] = "mel"
+    # With worker processes: each worker puts the features it made into a shared-memory pool of its own and hands
+    # back only their ref, where otherwise they come back through the pool's pipe (pickled: 1.5 MB for a 512x512
+    # image) and this replica's own process copies them into its pool. That process used 1.4-1.5 cores at 32
+    # image or audio requests (stage_cpu_frac in bench/results/2xh200-mesh-default-acc04a2.json), and i2t's
+    # preprocess call took 127 ms at the gateway against 66 in the stage at p50. The workers' pools are not in
+    # the replica's slot gauges. Off until measured (the mesh variant put-in-workers).
+    put_in_workers: bool = False
 
 
 @dataclass

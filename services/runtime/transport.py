@@ -236,6 +236,14 @@ class Transport:
         counters[0].inc(nbytes)
         counters[1].inc()
 
+    def count_out(self, ref: tensor_pb2.TensorRef) -> None:
+        """Counts a ref another process put for this one (a preprocess worker's) in this process's metrics."""
+        where = ref.WhichOneof("location")
+        if where == "inline_data":
+            self._count("inline", "out", len(ref.inline_data))
+        elif where in ("shm", "cuda"):
+            self._count("shm" if where == "shm" else "cuda_ipc", "out", getattr(ref, where).nbytes)
+
     def put(self, tensor: torch.Tensor | list[torch.Tensor], placement: tensor_pb2.Placement | None,
             ready=None) -> tensor_pb2.TensorRef:
         """A ref to `tensor` for a consumer at `placement`; a list of tensors of one shape and dtype goes as
