@@ -33,6 +33,8 @@ class VisionGraphs:
         else run eagerly."""
         entry = self.graphs.get(grids)
         if entry is None:
+            if len(self.seen) >= 4096:  # a server meeting ever new lists of sizes: counts start again, bounded
+                self.seen.clear()
             self.seen[grids] += 1
             if self.seen[grids] >= self.after and len(self.graphs) < self.limit:
                 entry = self.capture(pixels, grids)
