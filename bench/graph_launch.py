@@ -83,14 +83,18 @@ def launch_behind_us(graph: "torch.cuda.CUDAGraph", before: "torch.cuda.CUDAGrap
     return statistics.median(times) * 1e6
 
 
-def device_us(graph: "torch.cuda.CUDAGraph", reps: int) -> float:
-    """The device's time for one replay of `graph` (events around `reps` replays back to back)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def device_us(launch, reps: int) -> float:
+    """The device's time per call of `launch` (a graph's replay, or several): events on the current stream around
+    `reps` calls, after two untimed."""
+    main = torch.cuda.current_stream()
+    for _ in range(2):
+        launch()
     torch.cuda.synchronize()
-    start.record()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(main)
     for _ in range(reps):
-        graph.replay()
-    end.record()
+        launch()
+    end.record(main)
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
 
@@ -151,7 +155,7 @@ def main(argv=None) -> None:
             graph, twin = capture(body, str(path)), capture(body)  # twin: the same kernels, another executable
             cell = {"graph": f"{n} kernels" + (f", a fork every {fork}" if fork else ", straight"),
                     "launch_us": launch_us(graph, args.reps), "behind_itself_us": launch_behind_us(graph, graph, args.reps),
-                    "behind_another_us": launch_behind_us(graph, twin, args.reps), "device_us": device_us(graph, args.reps),
+                    "behind_another_us": launch_behind_us(graph, twin, args.reps), "device_us": device_us(graph.replay, args.reps),
                     **dot_summary(path.read_text())}
             if not fork and (cell["nodes"] != n or not cell["straight_line"]):  # the DOT read wrongly: say so
                 print(f"warning: a straight chain of {n} kernels read as {cell['nodes']} nodes, "
@@ -176,7 +180,7 @@ def main(argv=None) -> None:
                             "behind_itself_us": launch_behind_us(graph, graph, args.reps),
                             "behind_another_us": None if other is None else
                             launch_behind_us(graph, captured.graphs[other][0], args.reps),
-                            "another": other, "device_us": device_us(graph, args.reps), **dot_summary(dot.read_text())}
+                            "another": other, "device_us": device_us(graph.replay, args.reps), **dot_summary(dot.read_text())}
                     result["cells"].append(cell)
                     write(result, args.out)
                     print(cell, flush=True)

@@ -21,22 +21,8 @@ import sys
 
 import torch
 
+from bench.graph_launch import device_us
 from bench.results import machine, new_result, write
-
-
-def device_us(launch, reps: int) -> float:
-    """The device's time per call of `launch` (events on the current stream around `reps` calls)."""
-    main = torch.cuda.current_stream()
-    for _ in range(2):
-        launch()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(main)
-    for _ in range(reps):
-        launch()
-    end.record(main)
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def side_by_side(first, second, streams):

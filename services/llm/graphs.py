@@ -62,8 +62,12 @@ class CapturedGraphs:
                     graph.instantiate()
                 pool = graph.pool()
                 self.copies.setdefault(b, []).append((graph, outputs))
-        self.graphs = {b: kept[0] for b, kept in self.copies.items()}  # each size's first copy
         torch.cuda.synchronize(device)
+
+    @property
+    def graphs(self) -> dict[int, tuple[torch.cuda.CUDAGraph, tuple]]:
+        """Each size's first copy: (graph, outputs)."""
+        return {b: kept[0] for b, kept in self.copies.items()}
 
     @property
     def max_batch(self) -> int:
