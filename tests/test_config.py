@@ -100,15 +100,6 @@ def test_encoder_graphs_need_varlen_attention(tmp_path):
     assert load_config(write(tmp_path, c)).encoder.graphs is True
 
 
-def test_decode_graph_copies_are_at_least_one(tmp_path):
-    c = base()
-    c["thinker"]["decode_graph_copies"] = 0
-    with pytest.raises(ConfigError, match="thinker.decode_graph_copies must be at least 1"):
-        load_config(write(tmp_path, c))
-    c["thinker"]["decode_graph_copies"] = 2
-    assert load_config(write(tmp_path, c)).thinker.native_args["decode_graph_copies"] == 2
-
-
 def test_the_one_gpu_mesh_config_differs_from_the_benchmark_one_only_in_its_devices():
     """bench-1xh200-mesh.yaml is bench-2xh200.yaml on one GPU (a session lent one): every stage on cuda:0, one
     encoder for both kinds of output, the talker's KV cache sized by hand; nothing else may drift."""

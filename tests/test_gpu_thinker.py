@@ -236,32 +236,6 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     assert overlapped == plain
 
 
-def test_decode_graphs_in_two_copies_give_the_same_tokens(pair):
-    """thinker.decode_graph_copies: each decode graph captured twice and replayed in turn (an overlapped step never
-    relaunches the executable still running) gives the tokens one copy gives, plain and overlapped; both copies
-    of the sizes used ran."""
-    from services.llm.graphs import CapturedGraphs
-
-    engine, hf = pair
-    vocab = hf.lm_head.weight.shape[0]
-
-    def run(overlap: bool) -> list[list[int]]:
-        gen = torch.Generator().manual_seed(6)
-        seqs = [seq(f"c{i}", torch.randint(0, vocab, (n,), generator=gen), 40) for i, n in enumerate((50, 120, 75))]
-        return decode(engine, seqs, overlap=overlap)
-
-    one = engine.graphs
-    want = run(False)
-    engine.graphs = two = CapturedGraphs(one.sizes, engine.decode_body, engine.device, copies=2)
-    try:
-        plain, overlapped = run(False), run(True)
-    finally:
-        engine.graphs = one
-    assert all(len(c) == 2 for c in two.copies.values()) and two.copies[4][0][0] is not two.copies[4][1][0]
-    assert two.turn[4] >= 2 * 30  # the three rows' steps ran in the graph of 4, its copies in turn
-    assert plain == want and overlapped == want
-
-
 def test_overlapped_decode_steps_never_wait_on_a_blocking_copy(pair):
     """thinker.overlap: once every request is past its prompt, a decode step waits on the device only for the
     event after the step it reads; torch's sync debug mode raises on any other wait (a copy from pageable memory, a

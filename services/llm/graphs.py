@@ -1,5 +1,4 @@
-"""Steps as CUDA graphs: one graph per batch size of a ladder (or several copies of each, replayed in turn), all
-sharing one memory pool.
+"""Steps as CUDA graphs: one graph per batch size of a ladder, all sharing one memory pool.
 
 The engine owns the static inputs (token ids, positions, per-row sampling settings, ...) and a
 `body(batch)` that reads them and returns the step's outputs; capture records body() once per size,
@@ -32,14 +31,12 @@ def ladder(max_batch: int) -> list[int]:
 
 class CapturedGraphs:
     @torch.no_grad()  # a recorded step never builds an autograd graph (nor a compiled variant that would)
-    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device, copies: int = 1):
-        """With `copies` > 1, each size is captured that many times (each copy its own executable and outputs, the
-        memory pool shared) and replay() takes them in turn, so a graph is never relaunched while its previous
-        launch may still run: a step launched behind the one the device is running (overlapped) gets the other
-        copy. Its outputs are then valid until `copies` more replays of its size."""
+    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device):
+        # Relaunching a graph the device still runs (an overlapped step behind one of its size) makes the host wait
+        # no longer than launching it from an idle device: a second copy of each graph, replayed in turn, gave the
+        # same tok/s (bench/results/graph-launch-1xh200-thinker-eecd411.json, thinker-1xh200-*-copies-*-eecd411.json).
         self.sizes = sorted(sizes)
-        self.copies: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}  # size -> every copy's (graph, outputs)
-        self.turn = dict.fromkeys(self.sizes, 0)  # replays of each size so far: which copy is next
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, outputs)
         self.replays = 0
         self.launch_s = 0.0  # the host's time in replay() so far: launching, and any wait the driver makes it do
         pool = None
@@ -51,23 +48,17 @@ class CapturedGraphs:
                 for _ in range(2):  # warm-up outside the graph: kernels chosen, workspaces allocated
                     body(b)
             torch.cuda.current_stream(device).wait_stream(stream)
-            for copy in range(copies):
-                graph = torch.cuda.CUDAGraph(keep_graph=DUMP_DIR is not None)  # kept to be dumped, then instantiated
-                if DUMP_DIR is not None:
-                    graph.enable_debug_mode()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    outputs = body(b)
-                if DUMP_DIR is not None:
-                    graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}{f'-copy{copy}' if copy else ''}.dot")
-                    graph.instantiate()
-                pool = graph.pool()
-                self.copies.setdefault(b, []).append((graph, outputs))
+            graph = torch.cuda.CUDAGraph(keep_graph=DUMP_DIR is not None)  # kept to be dumped, then instantiated
+            if DUMP_DIR is not None:
+                graph.enable_debug_mode()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs = body(b)
+            if DUMP_DIR is not None:
+                graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}.dot")
+                graph.instantiate()
+            pool = graph.pool()
+            self.graphs[b] = (graph, outputs)
         torch.cuda.synchronize(device)
-
-    @property
-    def graphs(self) -> dict[int, tuple[torch.cuda.CUDAGraph, tuple]]:
-        """Each size's first copy: (graph, outputs)."""
-        return {b: kept[0] for b, kept in self.copies.items()}
 
     @property
     def max_batch(self) -> int:
@@ -77,11 +68,8 @@ class CapturedGraphs:
         return next(b for b in self.sizes if b >= n)
 
     def replay(self, b: int) -> tuple:
-        """Runs the graph of size `b` (its next copy; inputs filled, plans made); its outputs, valid until the next
-        replay (of its size, with copies: until as many more)."""
-        copies = self.copies[b]
-        graph, outputs = copies[self.turn[b] % len(copies)]
-        self.turn[b] += 1
+        """Runs the graph of size `b` (inputs filled, plans made); its outputs, valid until the next replay."""
+        graph, outputs = self.graphs[b]
         t0 = time.perf_counter()
         graph.replay()
         self.launch_s += time.perf_counter() - t0

@@ -162,7 +162,8 @@ class EncoderConfig(EngineStageConfig):
     # one size, a step's n of them), captured at start for one 512x512 image and for any other list once it
     # recurs (the step that captures waits for it), at most 16: eager, the host launches its 27 layers' kernels one
     # by one (one image took 28.7 ms to encode at concurrency 1 in bench/results/2xh200-mesh-default-acc04a2.json).
-    # Off until measured (scripts/ab-2xh200 OUT encoder, the mesh variant encoder-graphs).
+    # Off here (a CPU has none); the GPU configs turn it on (configs/2xh200.yaml says why; the mesh variant
+    # encoder-eager measures it off).
     graphs: bool = False
 
 
@@ -231,17 +232,11 @@ class ThinkerConfig(LMStageConfig):
     # to host memory beside their tokens, so they go to the talker inside the message, not as one CUDA IPC
     # transfer per request and token (a put here, a read there: host time on both sides at every token).
     host_states: bool = True
-    # Each decode graph captured this many times, replayed in turn: an overlapped step, launched while the device
-    # runs the step before (of the same size, as a steady batch is), then never relaunches the executable still
-    # running. Whether relaunching one makes the host wait is what bench.graph_launch's behind_itself_us measures
-    # against behind_another_us; at 32 requests a step's median host time was 1.0-3.0 ms for the same work
-    # (bench/results/thinker-1xh200-*-a7aa69a.json, -6bc2f0d.json). 1 until measured.
-    decode_graph_copies: int = 1
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
-                "host_states": self.host_states, "decode_graph_copies": self.decode_graph_copies}
+                "host_states": self.host_states}
 
 
 @dataclass
@@ -327,8 +322,6 @@ class MeshConfig:
                                   "CUDA-core decode kernel is planned its own way)")
         if self.encoder.graphs and self.encoder.attention != "varlen":
             raise ConfigError("encoder.graphs needs encoder.attention: varlen (sdpa reads lengths back every layer)")
-        if self.thinker.decode_graph_copies < 1:
-            raise ConfigError("thinker.decode_graph_copies must be at least 1")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self

@@ -67,9 +67,8 @@ class NativeThinker:
                  max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", fp8_activations: bool = False,
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
-                 decode_split_kv_max_batch: int = -1, decode_graph_copies: int = 1):
+                 decode_split_kv_max_batch: int = -1):
         self.device, self.dtype = torch.device(device), dtype
-        self.decode_graph_copies = decode_graph_copies  # each decode graph captured this many times, replayed in turn
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
@@ -139,8 +138,8 @@ class NativeThinker:
             (top_k, seeds, counters), (temps, top_p) = self.decode_draw[0][:, :b], self.decode_draw[1][:, :b]
             return embeds, captured, logits, draw(logits, temps, top_k, top_p, seeds, counters, CANDIDATES)
 
-        self.decode_body = body  # what each decode graph records (captured again by tests, with other copies)
-        self.graphs = CapturedGraphs(sizes, body, self.device, self.decode_graph_copies)
+        self.decode_body = body  # what each decode graph records (bench.streams runs it on streams of its own)
+        self.graphs = CapturedGraphs(sizes, body, self.device)
 
     def _fitting_blocks(self, tc, block_size: int) -> int:
         per_block = KVCache.bytes_per_block(tc.num_hidden_layers, block_size, tc.num_key_value_heads, tc.head_dim, self.dtype)
