@@ -353,13 +353,14 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     each streaming shape of the config's plan (frames with their left context) for each of --batches on the
     same random codes, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it), and the
     waveforms held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by; a precision
-    named with "+fuse" (bfloat16+fuse) runs with its activations fused, as talker.code2wav_fuse runs it, and with
+    named with "+fuse" (bfloat16+fuse) runs with its activations fused, as talker.code2wav_fuse runs it, with
+    "+native" its decoder run as talker.code2wav_native runs it (services/talker/code2wav.py), and with
     "+tune" its graphs captured with cuDNN's convolution algorithms chosen by timing (no difference on an H200:
     bench/results/code2wav-1xh200-tune-6bc2f0d.json; the talker does not)."""
     from services.llm.graphs import CapturedGraphs
     from services.model.load import load_component, load_config as model_config
 
-    from services.talker.code2wav import fuse_activations_
+    from services.talker.code2wav import NativeCode2Wav, fuse_activations_
     from services.talker.speech import chunk_plan
 
     dev, tc = torch.device(device), cfg.talker
@@ -368,12 +369,13 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
 
     def model_for(name: str):
         dtype, *mods = name.split("+")
-        if dtype not in DTYPES or not set(mods) <= {"fuse", "tune"}:
-            raise SystemExit(f"--code2wav-dtypes: unknown precision {name!r} (a precision, then +fuse, +tune)")
+        if dtype not in DTYPES or not set(mods) <= {"fuse", "native", "tune"} or {"fuse", "native"} <= set(mods):
+            raise SystemExit(f"--code2wav-dtypes: unknown precision {name!r} (a precision, then +fuse or +native, +tune)")
         model = load_component("code2wav", cfg.model.dir, dev, DTYPES[dtype], cfg.model.load_format, cfg.model.seed)
         if "fuse" in mods:
             fuse_activations_(model)
-        return model.requires_grad_(False)
+        model.requires_grad_(False)
+        return NativeCode2Wav(model) if "native" in mods else model
 
     models = {d: model_for(d) for d in dtypes}
     c2w_config = model_config(cfg.model.dir).code2wav_config
@@ -451,7 +453,7 @@ def parse_args(argv=None):
                         "a -c2w-inline one waits for code2wav in the frame loop (no side stream)")
     p.add_argument("--encoder-batches", type=ints, default=[1, 8, 32])
     p.add_argument("--code2wav-dtypes", default="bfloat16",
-                   help="code2wav stage: precisions held to float32 (float32 always runs); NAME+fuse: activations fused, NAME+tune: convolutions tuned (both: NAME+fuse+tune)")
+                   help="code2wav stage: precisions held to float32 (float32 always runs); NAME+fuse: activations fused, NAME+native: its decoder native (talker.code2wav_native), NAME+tune: convolutions tuned (NAME+fuse+tune)")
     p.add_argument("--preprocess-items", type=int, default=8)
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--clip-seconds", type=float, default=7.0)

@@ -350,21 +350,23 @@ def test_a_mesh_started_apart(bench_dir, mesh):
 
 
 def test_code2wav_precisions_against_float32(bench_dir):
-    """bench.stages --stages code2wav: each streaming chunk shape and batch in float32, bfloat16 and float32 with
-    its activations fused on the same codes; float32 is the reference (no error), bfloat16 a small but nonzero
-    one, fused float32 all but none, and the report shows them."""
+    """bench.stages --stages code2wav: each streaming chunk shape and batch in float32, bfloat16, float32 with
+    its activations fused and float32 with its decoder native, on the same codes; float32 is the reference (no
+    error), bfloat16 a small but nonzero one, fused and native float32 all but none, and the report shows them."""
     out = bench_dir / "code2wav.json"
     stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "code2wav", "--batches", "1,2",
-                 "--decode-steps", "2", "--device", "cpu", "--code2wav-dtypes", "bfloat16,float32+fuse"])
+                 "--decode-steps", "2", "--device", "cpu", "--code2wav-dtypes", "bfloat16,float32+fuse,float32+native"])
     cells = results.read(out)["cells"]
-    assert {c["mode"] for c in cells} == {"float32", "bfloat16", "float32+fuse"} and {c["batch"] for c in cells} == {1, 2}
+    assert {c["mode"] for c in cells} == {"float32", "bfloat16", "float32+fuse", "float32+native"}
+    assert {c["batch"] for c in cells} == {1, 2}
     assert {c["item"] for c in cells} == {"4 frames", "12 frames", "20 frames", "28 frames", "33 frames"}  # the tiny
     # config's chunks: 4 frames, then 8 with every frame before them as context, up to 25
     for c in cells:
         assert c["audio_s_per_s"] > 0 and c["step_ms"] > 0
         if c["mode"] == "float32":
             assert c["rel_l2"] == 0 and c["snr_db"] is None
-        elif c["mode"] == "float32+fuse":  # the same float32 arithmetic, fused: rounding apart (and not none: it ran)
+        elif c["mode"] in ("float32+fuse", "float32+native"):  # the same float32 arithmetic: rounding apart (and
+            # not none: it ran)
             assert 0 < c["rel_l2"] < 1e-5, c
         else:
             assert 0 < c["rel_l2"] < 0.1 and c["snr_db"] > 20, c
@@ -372,6 +374,9 @@ def test_code2wav_precisions_against_float32(bench_dir):
     with pytest.raises(SystemExit, match="unknown precision 'bfloat16\\+fast'"):
         stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "code2wav", "--batches", "1",
                      "--device", "cpu", "--code2wav-dtypes", "bfloat16+fuse+tune,bfloat16+fast"])
+    with pytest.raises(SystemExit, match="unknown precision 'bfloat16\\+fuse\\+native'"):
+        stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "code2wav", "--batches", "1",
+                     "--device", "cpu", "--code2wav-dtypes", "bfloat16+fuse+native"])
 
 
 def test_tuned_convolutions_time_them_inside_only():

@@ -37,6 +37,7 @@ def test_shipped_configs_load():
     (lambda c: c["limits"].update(max_new_tokens=True) if "limits" in c else c.update(limits={"max_new_tokens": True}), "expected int"),
     (lambda c: c["model"].update(path=""), "model.path is required"),
     (lambda c: c.setdefault("transport", {}).update(cross_gpu_read="push"), "not one of"),
+    (lambda c: c.setdefault("talker", {}).update(code2wav_native=True, code2wav_fuse=True), "leave talker.code2wav_fuse off"),
 ])
 def test_mistakes_are_named(tmp_path, change, message):
     data = base()

@@ -263,6 +263,11 @@ class TalkerConfig(LMStageConfig):
     # (bench/results/code2wav-1xh200-fuse-a7aa69a.json). Off: at 32 requests the talker's frames/s did not move
     # past its run-to-run spread (talker-1xh200-b32-*-a7aa69a.json, configs/2xh200.yaml's talker comment).
     code2wav_fuse: bool = False
+    # Either engine: code2wav's decoder run channels-last, the bias, residual and SnakeBeta between two of its
+    # convolutions in one pass, dilated convolutions folded (services/talker/code2wav.py): at 32 requests its
+    # 116 ms a chunk were 4.5 ms of each 11.3 ms frame step (bench/results/profile-1xh200-talker-b32-eecd411.txt).
+    # Off until measured (scripts/ab-2xh200 OUT gpu1).
+    code2wav_native: bool = False
     # native engine: a frame step is launched before the previous one's codes are read (the repetition penalty
     # kept on the device), so the host's work for a step runs while the device computes the one before. A
     # frame reaches its request one step later; a request that ends on the end code computes one frame more,
@@ -320,6 +325,8 @@ class MeshConfig:
             if getattr(self, stage).decode_split_kv_max_batch >= 0 and not getattr(self, stage).decode_tensor_cores:
                 raise ConfigError(f"{stage}.decode_split_kv_max_batch needs {stage}.decode_tensor_cores (flashinfer's "
                                   "CUDA-core decode kernel is planned its own way)")
+        if self.talker.code2wav_native and self.talker.code2wav_fuse:
+            raise ConfigError("talker.code2wav_native fuses code2wav's activations itself: leave talker.code2wav_fuse off")
         if self.encoder.graphs and self.encoder.attention != "varlen":
             raise ConfigError("encoder.graphs needs encoder.attention: varlen (sdpa reads lengths back every layer)")
         if self.model.load_format == "auto" and not self.model.path:

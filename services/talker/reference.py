@@ -19,10 +19,12 @@ from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, 
 class ReferenceTalker(SpeechEngine):
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
-                 code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, code2wav_fuse: bool = False):
+                 code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, code2wav_fuse: bool = False,
+                 code2wav_native: bool = False):
         talker = load_component("talker", model_dir, device, dtype, load_format, seed)
         super().__init__(talker, model_dir, device, dtype, load_format, seed,
-                         (first_chunk_frames, chunk_frames, left_context_frames, chunk_growth), code2wav_dtype, code2wav_fuse)
+                         (first_chunk_frames, chunk_frames, left_context_frames, chunk_growth), code2wav_dtype, code2wav_fuse,
+                         code2wav_native)
 
     def add(self, seq: TalkerSeq) -> None:
         super().add(seq)

@@ -109,8 +109,9 @@ def make_engine(cfg: MeshConfig, device: str):
     c2w = None if tc.code2wav_dtype == "model" else DTYPES[tc.code2wav_dtype]
     if tc.engine == "native":
         return NativeTalker(*args, **tc.native_args, code2wav_dtype=c2w, chunk_growth=tc.chunk_growth,
-                            code2wav_fuse=tc.code2wav_fuse)
-    return ReferenceTalker(*args, code2wav_dtype=c2w, chunk_growth=tc.chunk_growth, code2wav_fuse=tc.code2wav_fuse)
+                            code2wav_fuse=tc.code2wav_fuse, code2wav_native=tc.code2wav_native)
+    return ReferenceTalker(*args, code2wav_dtype=c2w, chunk_growth=tc.chunk_growth, code2wav_fuse=tc.code2wav_fuse,
+                           code2wav_native=tc.code2wav_native)
 
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:

@@ -15,7 +15,7 @@ from services.llm.sampling import SamplingParams
 from services.model.load import load_component
 from services.model.spec import OmniSpec
 from services.runtime.errors import InvalidArgument
-from services.talker.code2wav import fuse_activations_
+from services.talker.code2wav import NativeCode2Wav, fuse_activations_
 
 # The code predictor's own sampling in transformers (fixed there, whatever the talker's settings).
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
@@ -135,7 +135,7 @@ class SpeechEngine:
     """The engine protocol's request handling, shared; subclasses implement `step`."""
 
     def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int, float],
-                 code2wav_dtype: torch.dtype | None = None, code2wav_fuse: bool = False):
+                 code2wav_dtype: torch.dtype | None = None, code2wav_fuse: bool = False, code2wav_native: bool = False):
         self.device, self.dtype, self.talker = torch.device(device), dtype, talker
         # code2wav may run in another precision than the talker (talker.code2wav_dtype; bench.stages code2wav
         # measures each against float32).
@@ -143,6 +143,8 @@ class SpeechEngine:
                                        seed).requires_grad_(False)
         if code2wav_fuse:  # talker.code2wav_fuse
             fuse_activations_(self.code2wav)
+        if code2wav_native:  # talker.code2wav_native: its decoder channels-last, one pass between convolutions
+            self.code2wav = NativeCode2Wav(self.code2wav)
         self.spec = spec = OmniSpec.load(model_dir)
         tc = spec.talker
         self.voices = spec.voices

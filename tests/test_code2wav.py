@@ -1,0 +1,125 @@
+"""code2wav's native decoder (services/talker/code2wav.py, talker.code2wav_native) against transformers'
+Qwen3OmniMoeCode2Wav on the tiny model: on the CPU through snake_rows' torch path, and its Triton kernel in
+Triton's CPU interpreter (a child process: the interpreter is chosen when the kernel is defined)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.model.load import load_component
+from services.talker.code2wav import NativeCode2Wav, snake_rows
+
+
+def snr_db(wav: torch.Tensor, ref: torch.Tensor) -> float:
+    return -20 * torch.log10((wav.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def code2wav(tiny_model):
+    return load_component("code2wav", tiny_model, "cpu", torch.float32, "random", 0).requires_grad_(False)
+
+
+def test_native_decoder_gives_transformers_waveforms(code2wav):
+    """Chunks of the streaming shapes (a first chunk of a few frames, later ones with context) and a batch: the
+    same waveforms as transformers' module to float32 rounding, its length (the causal upsamplers' trim) too. The
+    tiny model's decoder has every dilation (1, 3, 9) and signal lengths no whole number of folds of them."""
+    native = NativeCode2Wav(code2wav)
+    gen = torch.Generator().manual_seed(0)
+    vocab, groups = code2wav.config.codebook_size, code2wav.config.num_quantizers
+    for batch, frames in ((1, 2), (2, 7), (3, 30)):
+        codes = torch.randint(0, vocab, (batch, groups, frames), generator=gen)
+        with torch.no_grad():
+            ref, wav = code2wav(codes), native(codes)
+        assert wav.shape == ref.shape
+        assert snr_db(wav, ref) > 100, (batch, frames)
+    with pytest.raises(ValueError, match=f"Expected {groups} layer of codes, got {groups - 1}"):
+        native(codes[:, 1:])
+
+
+def test_native_decoder_in_bfloat16_as_close_to_float32_as_transformers_bfloat16(code2wav, tiny_model):
+    """In bf16 the native decoder rounds once per pass where transformers rounds after every operation: its
+    waveform is at least as close to float32's (within 1 dB)."""
+    bf16 = load_component("code2wav", tiny_model, "cpu", torch.bfloat16, "random", 0).requires_grad_(False)
+    codes = torch.randint(0, code2wav.config.codebook_size, (2, code2wav.config.num_quantizers, 12),
+                          generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = code2wav(codes)
+        theirs, ours = snr_db(bf16(codes), ref), snr_db(NativeCode2Wav(bf16)(codes), ref)
+    assert ours > theirs - 1 and ours > 20, (ours, theirs)
+
+
+def test_snake_rows_sums_then_activates_into_a_padded_buffer():
+    """snake_rows' torch path: bias and residual summed, the sum kept where asked, SnakeBeta written into the
+    inside of a padded buffer (the pad rows untouched), from a strided input (a convolution's trimmed output)."""
+    gen = torch.Generator().manual_seed(2)
+    B, T, C = 2, 11, 6
+    a = torch.randn(B, T + 3, C, generator=gen)[:, :T]  # rows contiguous, the batch stride longer
+    bias, residual = torch.randn(C, generator=gen), torch.randn(B, T, C, generator=gen)
+    alpha, inv_beta = torch.rand(C, generator=gen) + 0.5, torch.rand(C, generator=gen) + 0.5
+    buf = torch.full((B, 4 + T + 2, C), 7.0)
+    y = torch.empty(B, T, C)
+    snake_rows(a, alpha, inv_beta, buf[:, 4:4 + T], bias=bias, residual=residual, y=y)
+    want_y = a + bias + residual
+    assert torch.allclose(y, want_y)
+    assert torch.allclose(buf[:, 4:4 + T], want_y + inv_beta * torch.sin(want_y * alpha) ** 2)
+    assert (buf[:, :4] == 7).all() and (buf[:, 4 + T:] == 7).all()
+
+
+CHILD = r"""
+import json, sys
+import torch
+from services.model.load import load_component
+from services.talker.code2wav import NativeCode2Wav, snake_rows
+
+out = {}
+gen = torch.Generator().manual_seed(3)
+B, T, C = 2, 45, 150  # two tiles of rows and of channels, each with a ragged edge
+for bias_on in (False, True):
+    for res_on in (False, True):
+        a = torch.randn(B, T + 5, C, generator=gen)[:, :T]
+        bias, residual = torch.randn(C, generator=gen), torch.randn(B, T, C, generator=gen)
+        alpha, inv_beta = torch.rand(C, generator=gen) + 0.5, torch.rand(C, generator=gen) + 0.5
+        buf, y = torch.full((B, 3 + T, C), 7.0), torch.empty(B, T, C)
+        snake_rows(a, alpha, inv_beta, buf[:, 3:], bias=bias if bias_on else None, residual=residual if res_on else None,
+                   y=y if res_on else None)
+        want_y = a + (bias if bias_on else 0) + (residual if res_on else 0)
+        want_z = want_y + inv_beta * torch.sin(want_y * alpha) ** 2
+        out[f"bias={bias_on},residual={res_on}"] = {
+            "z": (buf[:, 3:] - want_z).abs().max().item(), "pad": bool((buf[:, :3] == 7).all()),
+            "y": (y - want_y).abs().max().item() if res_on else 0.0}
+model = load_component("code2wav", sys.argv[1], "cpu", torch.float32, "random", 0).requires_grad_(False)
+codes = torch.randint(0, model.config.codebook_size, (2, model.config.num_quantizers, 3), generator=gen)
+with torch.no_grad():
+    ref, wav = model(codes), NativeCode2Wav(model)(codes)
+out["decoder_rel"] = ((wav - ref).norm() / ref.norm()).item()
+json.dump(out, sys.stdout)
+"""
+
+
+def test_snake_rows_kernel_in_the_interpreter(tiny_model):
+    """The Triton kernel (what a GPU runs) against the arithmetic it replaces, each of its variants, and the
+    whole native decoder through it against transformers."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out.pop("decoder_rel") < 1e-5
+    assert len(out) == 4
+    for name, r in out.items():
+        assert r["z"] < 1e-5 and r["y"] < 1e-5 and r["pad"], (name, r)
+
+
+def test_talkers_run_the_native_decoder_when_asked(tiny_model):
+    """talker.code2wav_native reaches the engine: its code2wav is the native decoder over transformers' module."""
+    from services.talker.reference import ReferenceTalker
+
+    engine = ReferenceTalker(tiny_model, "cpu", torch.float32, "random", 0, code2wav_native=True)
+    assert isinstance(engine.code2wav, NativeCode2Wav) and engine.samples_per_frame == 1920
