@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from bench import ceiling, compare, report, results, routing, stages
+from bench import ceiling, code2wav, compare, report, results, routing, stages
 from bench import run as bench_run
 from bench.workloads import WORKLOADS, MediaSpec, ascii_prompt, grpc_request, select
 from conftest import write_config
@@ -386,10 +386,10 @@ def test_tuned_convolutions_time_them_inside_only():
     for outer in (False, True):
         torch.backends.cudnn.benchmark = outer
         try:
-            with stages.tuned_convolutions():
+            with code2wav.tuned_convolutions():
                 assert torch.backends.cudnn.benchmark
             assert torch.backends.cudnn.benchmark is outer
-            with pytest.raises(RuntimeError), stages.tuned_convolutions():
+            with pytest.raises(RuntimeError), code2wav.tuned_convolutions():
                 raise RuntimeError("capture failed")
             assert torch.backends.cudnn.benchmark is outer
         finally:

@@ -117,9 +117,16 @@ def test_snake_rows_kernel_in_the_interpreter(tiny_model):
         assert r["z"] < 1e-5 and r["y"] < 1e-5 and r["pad"], (name, r)
 
 
-def test_talkers_run_the_native_decoder_when_asked(tiny_model):
-    """talker.code2wav_native reaches the engine: its code2wav is the native decoder over transformers' module."""
-    from services.talker.reference import ReferenceTalker
+def test_the_config_reaches_the_talkers(tiny_model, tmp_path):
+    """talker.code2wav_native reaches either engine (its code2wav the native decoder over transformers' module),
+    and talker.frames_first the native one (no stream to put first on a CPU)."""
+    from conftest import write_config
+    from services.runtime.config import load_config
+    from services.talker.server import make_engine
 
-    engine = ReferenceTalker(tiny_model, "cpu", torch.float32, "random", 0, code2wav_native=True)
-    assert isinstance(engine.code2wav, NativeCode2Wav) and engine.samples_per_frame == 1920
+    path = write_config(tmp_path / "mesh.yaml", tiny_model)
+    for engine in ("reference", "native"):
+        cfg = load_config(path, [f"talker.engine={engine}", "talker.code2wav_native=true", "talker.frames_first=true"])
+        talker = make_engine(cfg, "cpu")
+        assert isinstance(talker.code2wav, NativeCode2Wav) and talker.samples_per_frame == 1920
+    assert cfg.talker.native_args["frames_first"] is True and talker.frame_stream is None

@@ -147,7 +147,8 @@ def test_prompt_steps_replayed_in_pieces_track_eager_ones(tmp_path):
 
 def test_audio_from_the_side_stream_equals_audio_waited_for(tmp_path):
     """code2wav on its own stream, read back once done, hands out the same chunks, in order, as code2wav run
-    in the frame loop and waited for; every chunk of a request is out by its last step."""
+    in the frame loop and waited for, and so does the frame loop on a high-priority stream of its own
+    (talker.frames_first); every chunk of a request is out by its last step."""
     from services.model.build import build_full_skeleton
     from services.talker.engine import NativeTalker
 
@@ -172,13 +173,16 @@ def test_audio_from_the_side_stream_equals_audio_waited_for(tmp_path):
         return [s.frames for s in seqs], {k: [(c.first_frame, c.pcm) for c in v] for k, v in chunks.items()}
 
     frames, side = speak()
-    engine.vocode_stream = None
+    engine.frame_stream = torch.cuda.Stream(engine.device, priority=-1)  # talker.frames_first, as the engine makes it
+    frames_first, first = speak()
+    engine.frame_stream, engine.vocode_stream = None, None
     frames_waited, waited = speak()
-    assert frames == frames_waited
+    assert frames == frames_waited == frames_first
     for name in waited:
-        assert [f for f, _ in side[name]] == [f for f, _ in waited[name]], name
-        for (_, a), (_, b) in zip(side[name], waited[name]):
-            assert np.array_equal(a, b), name
+        for got in (side, first):
+            assert [f for f, _ in got[name]] == [f for f, _ in waited[name]], name
+            for (_, a), (_, b) in zip(got[name], waited[name]):
+                assert np.array_equal(a, b), name
 
 
 def test_overlapped_frame_steps_give_the_codes_of_plain_ones(tmp_path):

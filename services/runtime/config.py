@@ -268,6 +268,10 @@ class TalkerConfig(LMStageConfig):
     # 116 ms a chunk were 4.5 ms of each 11.3 ms frame step (bench/results/profile-1xh200-talker-b32-eecd411.txt).
     # Off until measured (scripts/ab-2xh200 OUT gpu1).
     code2wav_native: bool = False
+    # native engine on a GPU: the frame loop on a high-priority stream, code2wav's at the default low priority:
+    # the frame loop's small kernels leave most SMs idle, and at 32 requests code2wav's stream hardly overlapped
+    # it (bench/results/profile-1xh200-talker-b32-eecd411.txt). Off until measured (scripts/ab-2xh200 OUT gpu1).
+    frames_first: bool = False
     # native engine: a frame step is launched before the previous one's codes are read (the repetition penalty
     # kept on the device), so the host's work for a step runs while the device computes the one before. A
     # frame reaches its request one step later; a request that ends on the end code computes one frame more,
@@ -284,7 +288,7 @@ class TalkerConfig(LMStageConfig):
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "code2wav_graphs": self.code2wav_graphs, "code2wav_stream": self.code2wav_stream,
-                "overlap": self.overlap, "graph_sampling": self.graph_sampling}
+                "overlap": self.overlap, "graph_sampling": self.graph_sampling, "frames_first": self.frames_first}
 
 
 @dataclass

@@ -67,7 +67,7 @@ class NativeTalker(SpeechEngine):
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
                  code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
                  step_graphs: int = 0, decode_tensor_cores: bool = True, decode_split_kv_max_batch: int = -1,
-                 code2wav_fuse: bool = False, code2wav_native: bool = False):
+                 code2wav_fuse: bool = False, code2wav_native: bool = False, frames_first: bool = False):
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         if compile:
@@ -144,6 +144,12 @@ class NativeTalker(SpeechEngine):
                                    self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))
         if code2wav_stream and self.device.type == "cuda":
             self.vocode_stream = torch.cuda.Stream(self.device)
+        # talker.frames_first: the frame loop on a stream of high priority, code2wav's of the default, low: the
+        # device's block scheduler gives SMs the frame loop's small kernels want to them first, and code2wav's
+        # large ones the rest (launched into a stream, a graph's kernels take the stream's priority).
+        self.frame_stream = None
+        if frames_first and self.device.type == "cuda":
+            self.frame_stream = torch.cuda.Stream(self.device, priority=-1)  # torch's high priority (default 0: low)
 
     def _capture(self, sizes: list[int], scratch: int, text) -> None:
         """The talker's decode steps (one input row per request, positions equal on the three M-RoPE rows)
@@ -224,6 +230,18 @@ class NativeTalker(SpeechEngine):
 
     @torch.no_grad()
     def step(self, seqs: list[TalkerSeq]) -> list[tuple[TalkerSeq, TalkerStep]]:
+        if self.frame_stream is None:
+            return self._step(seqs)
+        # On the frame stream, ordered after everything queued on the current stream before (admitted prompts'
+        # uploads) and before everything queued on it after (so memory freed there is reused only after this).
+        current = torch.cuda.current_stream(self.device)
+        self.frame_stream.wait_stream(current)
+        with torch.cuda.stream(self.frame_stream):
+            out = self._step(seqs)
+        current.wait_stream(self.frame_stream)
+        return out
+
+    def _step(self, seqs: list[TalkerSeq]) -> list[tuple[TalkerSeq, TalkerStep]]:
         touched = {}
         for seq in seqs:
             if not self.started(seq):
