@@ -94,6 +94,7 @@ def snake_rows(a: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, z: 
     if a.is_cuda and triton is not None or os.environ.get("TRITON_INTERPRET") == "1":
         assert a.stride(2) == 1 and z.stride(2) == 1 and z.stride(1) == C and z.shape == a.shape
         assert (residual is None or residual.is_contiguous()) and (y is None or y.is_contiguous())
+        assert max(a.stride(0), z.stride(0), T * C) * B < 2**31, "offsets past int32: the kernel's arithmetic is 32-bit"
         BLOCK_C = min(triton.next_power_of_2(C), 128)
         grid = (B, triton.cdiv(T, 32), triton.cdiv(C, BLOCK_C))
         _snake_rows_kernel[grid](a, a.stride(0), a.stride(1), bias if bias is not None else a,
@@ -178,8 +179,9 @@ class _Upsample:
 
 class NativeCode2Wav(nn.Module):
     """transformers' Qwen3OmniMoeCode2Wav with its decoder run channels-last (the module's docstring): the same
-    call, codes [B, groups, frames] -> waveforms [B, 1, frames * total_upsample]; reads the module's weights as
-    they are when made (it keeps views of them, not copies)."""
+    call, codes [B, groups, frames] -> waveforms [B, 1, samples] as the module makes them. The decoder's weights
+    are read when it is made, its convolutions' copied into the layouts it reads (the pre-transformer's and the
+    upsampling blocks' stay the module's own)."""
 
     def __init__(self, code2wav: nn.Module):
         super().__init__()
