@@ -15,9 +15,10 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     """code2wav alone in float32 and in each of --code2wav-dtypes (the same seeded weights, rounded): chunks of
     each streaming shape of the config's plan (frames with their left context) for each of --batches on the
     same random codes, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it), and the
-    waveforms held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by; a precision
+    samples after the chunk's left context (what the talker keeps) held to float32's: relative L2 and SNR in dB. What talker.code2wav_dtype is chosen by; a precision
     named with "+fuse" (bfloat16+fuse) runs with its activations fused, as talker.code2wav_fuse runs it, with
-    "+native" its decoder run as talker.code2wav_native runs it (services/talker/code2wav.py), and with
+    "+native" its decoder run as talker.code2wav_native runs it (services/talker/code2wav.py: from the first row
+    the kept samples need), and with
     "+tune" its graphs captured with cuDNN's convolution algorithms chosen by timing (no difference on an H200:
     bench/results/code2wav-1xh200-tune-6bc2f0d.json; the talker does not)."""
     from bench.stages import timed
@@ -46,19 +47,23 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     groups, vocab = c2w_config.num_quantizers, c2w_config.codebook_size
     gen = torch.Generator().manual_seed(args.seed)
     for frames in sorted(new_frames):
+        skip = (frames - new_frames[frames]) * int(next(iter(models.values())).total_upsample)  # the left context
         for b in args.batches:
             codes = torch.randint(0, vocab, (b, groups, frames), generator=gen).to(dev)
             ref = None
             for d in dtypes:
                 model = models[d]
+                start = model.first_row(skip) if isinstance(model, NativeCode2Wav) else 0
+                run = lambda n, model=model, start=start: model(codes[:n], start) if start else model(codes[:n])  # noqa: E731
                 with torch.no_grad():
                     if dev.type == "cuda":
                         with tuned_convolutions() if "+tune" in d else contextlib.nullcontext():
-                            graph = CapturedGraphs([b], lambda n, model=model: model(codes[:n]), dev)
+                            graph = CapturedGraphs([b], run, dev)
                         call = lambda graph=graph: graph.replay(b)  # noqa: E731
                     else:
-                        call = lambda model=model: model(codes)  # noqa: E731
-                    wav = call().float().clone()  # a graph's output is overwritten by its next replay
+                        call = lambda run=run: run(b)  # noqa: E731
+                    # a graph's output is overwritten by its next replay; a native one starts at row `start`
+                    wav = call()[..., skip - start * getattr(model, "row_samples", 0):].float().clone()
                     reps = max(1, args.decode_steps)
                     seconds, _ = timed(lambda: [call() for _ in range(reps)], dev)
                 ref = wav if d == "float32" else ref

@@ -41,6 +41,34 @@ def test_native_decoder_gives_transformers_waveforms(code2wav):
         native(codes[:, 1:])
 
 
+def test_the_decoder_started_late_gives_the_kept_samples(code2wav):
+    """A chunk of 50 frames of which the first 25 are context: first_row(skip) is the earliest decoder row the
+    sample at `skip` depends on (the first row with a nonzero gradient of that sample, through transformers'
+    decoder), and the native decoder started there gives the module's waveform from `skip` on."""
+    native = NativeCode2Wav(code2wav)
+    codes = torch.randint(0, code2wav.config.codebook_size, (2, code2wav.config.num_quantizers, 50),
+                          generator=torch.Generator().manual_seed(4))
+    skip = 25 * 1920
+    start = native.first_row(skip)
+    assert native.row_samples == 480 and start == 100 - 19 and native.first_row(18 * 480) == 0
+    with torch.no_grad():
+        hidden = code2wav.pre_transformer(inputs_embeds=code2wav.code_embedding(codes + code2wav.code_offset).mean(1))
+        hidden = hidden.last_hidden_state.permute(0, 2, 1)
+        for blocks in code2wav.upsample:
+            for block in blocks:
+                hidden = block(hidden)
+    x = hidden.detach().requires_grad_(True)  # the decoder's input [B, C, rows]
+    wav = x
+    for block in code2wav.decoder:
+        wav = block(wav)
+    wav[0, 0, skip].backward()
+    assert x.grad[0].abs().sum(0).nonzero().min().item() == start
+    with torch.no_grad():
+        ref = code2wav(codes)[..., skip:]
+        got = native(codes, start)[..., skip - start * 480:]
+    assert got.shape == ref.shape and snr_db(got, ref) > 100
+
+
 def test_native_decoder_in_bfloat16_as_close_to_float32_as_transformers_bfloat16(code2wav, tiny_model):
     """In bf16 the native decoder rounds once per pass where transformers rounds after every operation: its
     waveform is at least as close to float32's (within 1 dB)."""

@@ -286,8 +286,13 @@ def test_states_from_host_memory_reach_the_talkers_gpu():
 
 def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):
     """Chunks of each captured shape (first, second, steady), three requests padded to the graph of 4: the
-    waveforms equal code2wav run eagerly on the three rows alone (bf16, full size, same kernels but for the batch)."""
+    waveforms equal code2wav run eagerly on the three rows alone (bf16, full size, same kernels but for the batch).
+    Then with the native decoder (talker.code2wav_native), each graph started where its shape's context lets it:
+    the samples after the context as the native decoder gives them run eagerly from the chunk's start, also for a
+    request's last chunk of a captured length with more context than the plan's (its graph starts earlier than
+    that chunk needs)."""
     from services.model.build import build_full_skeleton
+    from services.talker.code2wav import NativeCode2Wav
     from services.talker.engine import NativeTalker
 
     engine = NativeTalker(build_full_skeleton(tmp_path / "model"), "cuda:0", torch.bfloat16, "random", 0, kv_blocks=256,
@@ -303,13 +308,26 @@ def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):
         err = ((replayed - eager).norm() / eager.norm()).item()
         print(f"code2wav {frames} frames, graph (batch 4) against eager (batch 3): relative L2 {err:.2e}")
         assert err < 1e-2
+    engine.code2wav = NativeCode2Wav(engine.code2wav)
+    engine.capture_code2wav(8)
+    assert [engine.c2w_graphs[f][2] for f in (5, 30, 50)] == [0, 1, 81]  # contexts 0, 5 and 25 frames
+    for frames, ctx in ((5, 0), (30, 5), (50, 25), (30, 25)):  # the last: 5 new frames after 25 of context
+        codes = torch.randint(0, 2048, (3, frames, engine.groups), generator=gen).tolist()
+        skip = ctx * engine.samples_per_frame
+        with torch.no_grad():
+            eager = engine.code2wav(torch.tensor(codes, device="cuda:0").transpose(1, 2))[..., skip:].float()
+            got = engine._code2wav(codes, skip).float()
+        err = ((got - eager).norm() / eager.norm()).item()
+        print(f"native code2wav {frames} frames after {ctx} of context: relative L2 {err:.2e} against eager from frame 0")
+        assert got.shape == eager.shape and err < 1e-2
 
 
 def test_native_code2wav_at_full_size_as_close_to_float32_as_transformers_bf16(tmp_path):
     """talker.code2wav_native on the GPU (cuDNN's channels-last convolutions, the dilated ones folded, cuBLAS's
     pointwise ones, the Triton pass between them), full size in bf16, chunks of the streaming shapes for 4
     requests: its waveforms at least as close to transformers' float32 as transformers' own bf16 (within 1 dB),
-    and replayed from a CUDA graph as run eagerly."""
+    and replayed from a CUDA graph as run eagerly; started where a chunk's samples after 25 frames of context need
+    it, those samples as close."""
     from services.llm.graphs import CapturedGraphs
     from services.model.build import build_full_skeleton
     from services.model.load import load_component
@@ -332,6 +350,13 @@ def test_native_code2wav_at_full_size_as_close_to_float32_as_transformers_bf16(t
         assert ours.shape == ref.shape
         assert snr(ours, ref) > snr(theirs, ref) - 1 and snr(ours, ref) > 30
         assert snr(replayed, ours) > 60
+        if frames == 50:
+            skip = 25 * 1920
+            start = native.first_row(skip)
+            with torch.no_grad():
+                kept = native(codes, start)[..., skip - start * native.row_samples:].float()
+            print(f"code2wav 50 frames from row {start}: SNR of the kept samples {snr(kept, ref[..., skip:]):.1f} dB")
+            assert kept.shape == ref[..., skip:].shape and snr(kept, ref[..., skip:]) > snr(theirs, ref) - 1
 
 
 def test_compiled_predictor_sampling_draws_what_eager_draws():

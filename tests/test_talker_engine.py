@@ -31,6 +31,9 @@ ENGINES = {
     "compiled overlapped frame steps": {"compile": True, "overlap": True},
     # code2wav's activations compiled (talker.code2wav_fuse; inductor on the CPU here): the same waveforms
     "code2wav's activations fused": {"code2wav_fuse": True},
+    # code2wav's decoder native (talker.code2wav_native): channels-last, started where each chunk's kept samples
+    # need it (later chunks' 25 frames of context mostly skipped), the same waveforms
+    "code2wav's decoder native": {"code2wav_native": True},
     # steps between attentions in pieces (step_graphs: graphs on a GPU, the same pieces run eagerly here)
     "step pieces": {"step_graphs": 2048},
     "step pieces, overlap and preemption": {"step_graphs": 8, "overlap": True, "kv_blocks": 20, "block_size": 4,

@@ -264,7 +264,8 @@ class TalkerConfig(LMStageConfig):
     # past its run-to-run spread (talker-1xh200-b32-*-a7aa69a.json, configs/2xh200.yaml's talker comment).
     code2wav_fuse: bool = False
     # Either engine: code2wav's decoder run channels-last, the bias, residual and SnakeBeta between two of its
-    # convolutions in one pass, dilated convolutions folded (services/talker/code2wav.py): at 32 requests its
+    # convolutions in one pass, dilated convolutions folded, each chunk decoded from where the samples after its
+    # left context need it (119 of 200 rows; services/talker/code2wav.py): at 32 requests its
     # 116 ms a chunk were 4.5 ms of each 11.3 ms frame step (bench/results/profile-1xh200-talker-b32-eecd411.txt).
     # Off until measured (scripts/ab-2xh200 OUT gpu1).
     code2wav_native: bool = False

@@ -15,9 +15,15 @@ undilated one over the signal folded by its dilation (a view, no copy): out[t] r
 [T/d, d] is row h + k of column w. The pointwise convolutions are GEMMs with their bias in cuBLAS's epilogue.
 The pre-transformer and the upsampling blocks before the decoder (at 2 to 4 times the frame rate) stay
 transformers'. Same arithmetic, rounded less often.
+
+A streaming chunk's waveform is kept only after its left context (25 frames before 25 new ones), and the decoder is
+causal: the first kept sample depends on the decoder's inputs at most 19 rows of 480 samples (5 frames) before it.
+So the decoder starts where the kept samples need it to (`first_row`), not at the chunk's first frame: 119 of a
+chunk's 200 rows at those sizes, the kept samples the same.
 """
 
 import functools
+import math
 import os
 import types
 
@@ -195,9 +201,21 @@ class NativeCode2Wav(nn.Module):
             self.blocks.append((_Snake(snake), _Upsample(up),
                                 [(_Snake(u.act1), _Conv(u.conv1), _Snake(u.act2), _Conv(u.conv2)) for u in units]))
         self.last_snake, self.last = _Snake(dec[-2]), _Conv(dec[-1])
+        self.row_samples = math.prod(up.r for _, up, _ in self.blocks)  # each decoder row (its input) becomes these
+
+    def first_row(self, skip: int) -> int:
+        """The first decoder row the waveform from sample `skip` on depends on (forward's `start`), followed back
+        through the decoder: each causal convolution reads `lead` samples before its output, an upsampler's output
+        sample s reads its input samples s // r and the next."""
+        e = skip - self.last.lead
+        for _, up, units in reversed(self.blocks):
+            e = (e - sum(conv1.lead for _, conv1, _, _ in units)) // up.r
+        return max(0, e - self.first.lead)
 
     @torch.no_grad()
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+    def forward(self, codes: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The waveforms from sample start * row_samples on (those from first_row(skip) on are the module's from
+        that sample: earlier ones may differ, the decoder's causal convolutions reading zeros before `start`)."""
         m = self.inner
         if codes.shape[1] != m.config.num_quantizers:
             raise ValueError(f"Expected {m.config.num_quantizers} layer of codes, got {codes.shape[1]}")
@@ -206,7 +224,7 @@ class NativeCode2Wav(nn.Module):
         for blocks in m.upsample:
             for block in blocks:
                 hidden = block(hidden)
-        x = hidden.transpose(1, 2)  # [B, T, C] (the convolution's input buffer is made from it)
+        x = hidden.transpose(1, 2)[:, start:]  # [B, T, C] (the convolution's input buffer is made from it)
         B, T, _ = x.shape
         buf, inside = self.first.input(B, T, x)
         inside.copy_(x)

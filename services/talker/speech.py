@@ -161,7 +161,8 @@ class SpeechEngine:
         self.plan = chunk_plan(*chunking)  # (frames code2wav sees, new frames) of each chunk until they repeat
         self.samples_per_frame = int(self.code2wav.total_upsample)
         self.sample_rate = 24000
-        self.c2w_graphs: dict[int, tuple[torch.Tensor, object]] = {}  # frames (context included) -> (codes buffer, graphs)
+        # frames (context included) -> (codes buffer, graphs, the decoder row they start at)
+        self.c2w_graphs: dict[int, tuple[torch.Tensor, object, int]] = {}
         # code2wav off the frame loop's stream (set by an engine on a GPU): the device runs it beside the next
         # frames, and the host reads the waveforms when they are there instead of waiting for them.
         self.vocode_stream: torch.cuda.Stream | None = None
@@ -182,21 +183,35 @@ class SpeechEngine:
         sizes = ladder(max_batch)
         for frames in self.chunk_shapes():
             codes = torch.zeros(sizes[-1], self.groups, frames, dtype=torch.long, device=self.device)
-            self.c2w_graphs[frames] = codes, CapturedGraphs(sizes, lambda b, codes=codes: self.code2wav(codes[:b]), self.device)
+            # The least left context a chunk of this length has in the plan (a request's last chunk may have more).
+            start = min(self._start((frames - new) * self.samples_per_frame) for f, new in self.plan if f == frames)
+            graphs = CapturedGraphs(sizes, lambda b, codes=codes, start=start: self._decode(codes[:b], start), self.device)
+            self.c2w_graphs[frames] = codes, graphs, start
 
-    def _code2wav(self, codes: list) -> torch.Tensor:
-        """Waveforms [B, 1, samples] of code rows [B][frames][groups] of one length: replayed from a graph
-        where one is captured for the length and batch, else eagerly."""
-        n, frames = len(codes), len(codes[0])
+    def _start(self, skip: int) -> int:
+        """The first decoder row code2wav needs for the waveform from sample `skip` on (talker.code2wav_native
+        starts there; transformers' module at the chunk's first frame)."""
+        return self.code2wav.first_row(skip) if isinstance(self.code2wav, NativeCode2Wav) else 0
+
+    def _decode(self, codes: torch.Tensor, start: int) -> torch.Tensor:
+        return self.code2wav(codes, start) if start else self.code2wav(codes)
+
+    def _code2wav(self, codes: list, skip: int = 0) -> torch.Tensor:
+        """Waveforms [B, 1, samples] of code rows [B][frames][groups] of one length, from sample `skip` on:
+        replayed from a graph where one is captured for the length and batch (and starts early enough), else
+        eagerly."""
+        n, frames, start = len(codes), len(codes[0]), self._start(skip)
         captured = self.c2w_graphs.get(frames)
-        if captured is None or n > captured[1].max_batch:
-            return self.code2wav(upload(codes, self.device, torch.long).transpose(1, 2))  # no wait for the device
-        buf, graphs = captured
-        b = graphs.size_for(n)
-        upload_into(buf[:n], torch.tensor(codes).transpose(1, 2).contiguous())
-        if b > n:
-            buf[n:b].zero_()
-        return graphs.replay(b)[:n]
+        if captured is None or n > captured[1].max_batch or captured[2] > start:
+            wav = self._decode(upload(codes, self.device, torch.long).transpose(1, 2), start)  # no wait for the device
+        else:
+            buf, graphs, start = captured
+            b = graphs.size_for(n)
+            upload_into(buf[:n], torch.tensor(codes).transpose(1, 2).contiguous())
+            if b > n:
+                buf[n:b].zero_()
+            wav = graphs.replay(b)[:n]
+        return wav[..., skip - (start * self.code2wav.row_samples if start else 0):]
 
     def add(self, seq: TalkerSeq) -> None:
         if seq.params.max_tokens < 1:
@@ -377,11 +392,11 @@ class SpeechEngine:
         chunks = [(s, start, end) for s, start, end, _ in group]
         if self.vocode_stream is None:
             begin = time.perf_counter()
-            pcm = self._code2wav(codes)[:, 0, skip:].float().cpu()
+            pcm = self._code2wav(codes, skip)[:, 0].float().cpu()
             return Vocoding(chunks, pcm, begin, time.perf_counter())
         with torch.cuda.stream(self.vocode_stream):
             begin = mark(self.device)
-            wavs = self._code2wav(codes)[:, 0, skip:].float()
+            wavs = self._code2wav(codes, skip)[:, 0].float()
             pcm = torch.empty(wavs.shape, dtype=torch.float32, pin_memory=True)
             pcm.copy_(wavs, non_blocking=True)  # wavs' memory is this stream's: not reused before the copy
             return Vocoding(chunks, pcm, begin, mark(self.device))
