@@ -185,7 +185,7 @@ class SpeechEngine:
             codes = torch.zeros(sizes[-1], self.groups, frames, dtype=torch.long, device=self.device)
             # The least left context a chunk of this length has in the plan (a request's last chunk may have more).
             start = min(self._start((frames - new) * self.samples_per_frame) for f, new in self.plan if f == frames)
-            graphs = CapturedGraphs(sizes, lambda b, codes=codes, start=start: self._decode(codes[:b], start), self.device)
+            graphs = CapturedGraphs(sizes, lambda b, codes=codes, start=start: self._waveforms(codes[:b], start), self.device)
             self.c2w_graphs[frames] = codes, graphs, start
 
     def _start(self, skip: int) -> int:
@@ -193,7 +193,7 @@ class SpeechEngine:
         starts there; transformers' module at the chunk's first frame)."""
         return self.code2wav.first_row(skip) if isinstance(self.code2wav, NativeCode2Wav) else 0
 
-    def _decode(self, codes: torch.Tensor, start: int) -> torch.Tensor:
+    def _waveforms(self, codes: torch.Tensor, start: int) -> torch.Tensor:
         return self.code2wav(codes, start) if start else self.code2wav(codes)
 
     def _code2wav(self, codes: list, skip: int = 0) -> torch.Tensor:
@@ -203,7 +203,7 @@ class SpeechEngine:
         n, frames, start = len(codes), len(codes[0]), self._start(skip)
         captured = self.c2w_graphs.get(frames)
         if captured is None or n > captured[1].max_batch or captured[2] > start:
-            wav = self._decode(upload(codes, self.device, torch.long).transpose(1, 2), start)  # no wait for the device
+            wav = self._waveforms(upload(codes, self.device, torch.long).transpose(1, 2), start)  # no wait for the device
         else:
             buf, graphs, start = captured
             b = graphs.size_for(n)
