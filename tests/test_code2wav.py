@@ -52,12 +52,7 @@ def test_the_decoder_started_late_gives_the_kept_samples(code2wav):
     start = native.first_row(skip)
     assert native.row_samples == 480 and start == 100 - 19 and native.first_row(18 * 480) == 0
     with torch.no_grad():
-        hidden = code2wav.pre_transformer(inputs_embeds=code2wav.code_embedding(codes + code2wav.code_offset).mean(1))
-        hidden = hidden.last_hidden_state.permute(0, 2, 1)
-        for blocks in code2wav.upsample:
-            for block in blocks:
-                hidden = block(hidden)
-    x = hidden.detach().requires_grad_(True)  # the decoder's input [B, C, rows]
+        x = native.decoder_input(codes).requires_grad_(True)  # the decoder's input [B, C, rows], transformers' own
     wav = x
     for block in code2wav.decoder:
         wav = block(wav)

@@ -212,10 +212,9 @@ class NativeCode2Wav(nn.Module):
             e = (e - sum(conv1.lead for _, conv1, _, _ in units)) // up.r
         return max(0, e - self.first.lead)
 
-    @torch.no_grad()
-    def forward(self, codes: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """The waveforms from sample start * row_samples on (those from first_row(skip) on are the module's from
-        that sample: earlier ones may differ, the decoder's causal convolutions reading zeros before `start`)."""
+    def decoder_input(self, codes: torch.Tensor) -> torch.Tensor:
+        """The decoder's input [B, C, rows] as transformers' module makes it: codes embedded, the pre-transformer,
+        the upsampling blocks."""
         m = self.inner
         if codes.shape[1] != m.config.num_quantizers:
             raise ValueError(f"Expected {m.config.num_quantizers} layer of codes, got {codes.shape[1]}")
@@ -224,7 +223,13 @@ class NativeCode2Wav(nn.Module):
         for blocks in m.upsample:
             for block in blocks:
                 hidden = block(hidden)
-        x = hidden.transpose(1, 2)[:, start:]  # [B, T, C] (the convolution's input buffer is made from it)
+        return hidden
+
+    @torch.no_grad()
+    def forward(self, codes: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The waveforms from sample start * row_samples on (those from first_row(skip) on are the module's from
+        that sample: earlier ones may differ, the decoder's causal convolutions reading zeros before `start`)."""
+        x = self.decoder_input(codes).transpose(1, 2)[:, start:]  # [B, T, C]: the first convolution's input
         B, T, _ = x.shape
         buf, inside = self.first.input(B, T, x)
         inside.copy_(x)
