@@ -265,13 +265,15 @@ class TalkerConfig(LMStageConfig):
     code2wav_fuse: bool = False
     # Either engine: code2wav's decoder run channels-last, the bias, residual and SnakeBeta between two of its
     # convolutions in one pass, dilated convolutions folded, each chunk decoded from where the samples after its
-    # left context need it (119 of 200 rows; services/talker/code2wav.py): at 32 requests its
-    # 116 ms a chunk were 4.5 ms of each 11.3 ms frame step (bench/results/profile-1xh200-talker-b32-eecd411.txt).
-    # Off until measured (scripts/ab-2xh200 OUT gpu1).
+    # left context need it (119 of 200 rows; services/talker/code2wav.py). On an H200, 32 rows of 50 frames in
+    # 20.7 ms against transformers' 115.6 in bf16, nearer float32 (42.0 dB against 40.8), and the talker at 32
+    # requests 3,190-4,094 frames/s against 2,464-2,514 in the same calls
+    # (bench/results/{code2wav-1xh200-native,talker-1xh200-b32-*}-53de46d.json). Off here because it needs a GPU
+    # for its Triton pass; on in the GPU configs.
     code2wav_native: bool = False
-    # native engine on a GPU: the frame loop on a high-priority stream, code2wav's at the default low priority:
-    # the frame loop's small kernels leave most SMs idle, and at 32 requests code2wav's stream hardly overlapped
-    # it (bench/results/profile-1xh200-talker-b32-eecd411.txt). Off until measured (scripts/ab-2xh200 OUT gpu1).
+    # native engine on a GPU: the frame loop on a high-priority stream, code2wav's at the default low priority.
+    # No gain measured: 2,514 frames/s at 32 requests against 2,464-2,824 without, and with code2wav native
+    # 3,170 against 3,190-4,094 (bench/results/talker-1xh200-b32-*-53de46d.json): off.
     frames_first: bool = False
     # native engine: a frame step is launched before the previous one's codes are read (the repetition penalty
     # kept on the device), so the host's work for a step runs while the device computes the one before. A
