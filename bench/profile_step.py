@@ -126,6 +126,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--stage", choices=["thinker", "talker", "thinker-prefill"], default="thinker")
+    p.add_argument("--sort", default="tottime", help="the host profile's order: tottime, or cumulative (callers with callees)")
     p.add_argument("--trace", help="also write the profiled steps' chrome trace here (a GPU's timeline, kernel by kernel)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
@@ -147,7 +148,7 @@ def main(argv=None):
         print(f"prefill of {args.batch} x {args.prompt_len} tokens to the first token: p50 "
               f"{statistics.median(walls) * 1e3:.1f} ms over {len(walls)} rounds (under cProfile)")
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.rows)
+    pstats.Stats(prof, stream=out).sort_stats(args.sort).print_stats(args.rows)
     print(out.getvalue())
     from torch.profiler import ProfilerActivity, profile
 

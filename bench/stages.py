@@ -247,12 +247,12 @@ def talker_cells(cfg: MeshConfig, device: str, args):
         """Frames read, and launched with their codes not yet read (the native talker's, overlapped)."""
         return sum(len(s.frames) + s.frames_unread for s in seqs)
 
-    def run(seqs) -> tuple[float, float, int, int]:
+    def run(seqs) -> tuple[float, float, int, int, float]:
         """(prefill seconds: steps until every sequence has its first frame (its prompt computed: more than one
         step's tokens for many requests), drained; decode seconds: every later step back to back, the device
         drained once at the end; decode steps; frames those steps made). No drain between steps: it would undo
         what overlaps, a frame step's launch with the previous one's device work (talker.overlap) and code2wav
-        on its own stream."""
+        on its own stream; seconds of those steps the host spent blocked on the device)."""
         def prompts():
             while (ready := [s for s in seqs if engine.ready(s)]) and not all(s.done or made([s]) for s in seqs):
                 engine.step(ready)
@@ -266,8 +266,9 @@ def talker_cells(cfg: MeshConfig, device: str, args):
                 engine.step(ready)
                 steps += 1
 
+        waited = engine.waited_s
         decode_s, _ = timed(decode, dev)
-        return prefill_s, decode_s, steps, sum(len(s.frames) for s in seqs) - before
+        return prefill_s, decode_s, steps, sum(len(s.frames) for s in seqs) - before, engine.waited_s - waited
 
     stream = getattr(engine, "vocode_stream", None)
 
@@ -295,8 +296,9 @@ def talker_cells(cfg: MeshConfig, device: str, args):
         use(mode)
         seqs = batch(b, args.frames)
         overlapped = getattr(engine, "overlapped", 0)
-        prefill_s, decode_s, steps, decoded = run(seqs)
+        prefill_s, decode_s, steps, decoded, waited = run(seqs)
         overlapped = getattr(engine, "overlapped", 0) - overlapped
+        wait_ms = 1000 * waited / max(steps, 1)
         frames = sum(len(s.frames) for s in seqs)
         split = {part: sum(s.seconds[part] for s in seqs) for part in ("talker", "code_predictor", "code2wav")}
         for s in seqs:
@@ -306,6 +308,10 @@ def talker_cells(cfg: MeshConfig, device: str, args):
                "decode_frames": decoded, "seconds": decode_s,
                "frames_per_s": decoded / decode_s, "audio_s_per_s": decoded / FRAMES_PER_SECOND / decode_s,
                "prefill_ms": 1000 * prefill_s, "steps": steps, "overlapped_steps": overlapped, "step_ms": 1000 * decode_s / max(steps, 1),
+               # of a step, the host's time waiting on the device (a frame step's codes, code2wav's audio, a plan's
+               # copy) and the rest (on a GPU: the host's own work, which the device waits for where the wait is ~0)
+               **({"wait_ms_per_step": wait_ms, "host_ms_per_step": 1000 * decode_s / max(steps, 1) - wait_ms}
+                  if dev.type == "cuda" else {}),
                **{f"{k}_s": v for k, v in split.items()},
                **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}
 

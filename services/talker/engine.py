@@ -24,7 +24,7 @@ from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
 from services.talker.model import TalkerModel
-from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep, mark, seconds_between, wait_for
+from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep, mark, seconds_between
 
 GREEDY = SamplingParams()
 PLACEHOLDER = -1  # a talker token (first code) not read back from the device: its value is never needed there
@@ -324,7 +324,7 @@ class NativeTalker(SpeechEngine):
         """A launched frame step's codes, read (the step's one wait on the device): each request's frame kept,
         or its end; rows of requests ended or freed since are dropped. Returns the requests read."""
         since, launched, finished = frames.marks
-        wait_for(finished)
+        self.wait(finished)
         rows = frames.codes.tolist()
         n = len(frames.seqs)
         talker, predictor = seconds_between(since, launched) / n, seconds_between(launched, finished) / n
@@ -470,7 +470,7 @@ class NativeTalker(SpeechEngine):
         pos = torch.tensor([w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n), dtype=torch.long)
         upload_into(self.decode_pos[:b], pos)
         if self.planned is not None:
-            self.planned.synchronize()
+            self.wait(self.planned)
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         self.planned = torch.cuda.Event()
         self.planned.record(torch.cuda.current_stream(self.device))

@@ -168,6 +168,7 @@ class SpeechEngine:
         self.vocode_stream: torch.cuda.Stream | None = None
         self.vocoding: deque[Vocoding] = deque()  # launched, in launch order (the order they complete in)
         self.live: set[int] = set()  # requests added and not freed: chunks of freed ones are dropped
+        self.waited_s = 0.0  # the host's time blocked on the device (`wait`), for the benchmark's host/wait split
 
     def chunk_shapes(self) -> list[int]:
         """The frame counts (left context included) code2wav sees for every chunk but a request's last."""
@@ -236,6 +237,12 @@ class SpeechEngine:
 
     def started(self, seq: TalkerSeq) -> bool:
         raise NotImplementedError
+
+    def wait(self, m) -> None:
+        """wait_for(m), its time counted in `waited_s`."""
+        t = time.perf_counter()
+        wait_for(m)
+        self.waited_s += time.perf_counter() - t
 
     def runnable(self, seq: TalkerSeq) -> bool:
         """A started request can take its next step: the text its next frame adds is known."""
@@ -366,9 +373,9 @@ class SpeechEngine:
             for group in groups.values():
                 self.vocoding.append(self._launch(group))
         if self.vocoding and any(s.done and s.vocoding for s in seqs):
-            wait_for(self.vocoding[-1].end)  # one stream: everything launched before it is complete too
+            self.wait(self.vocoding[-1].end)  # one stream: everything launched before it is complete too
         elif self.vocoding and wait:
-            wait_for(self.vocoding[0].end)
+            self.wait(self.vocoding[0].end)
         out: dict[int, tuple[TalkerSeq, list[SpeechChunk]]] = {}
         while self.vocoding and reached(self.vocoding[0].end):
             job = self.vocoding.popleft()
