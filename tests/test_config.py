@@ -81,6 +81,11 @@ def test_fp8_activations_need_fp8_experts(tmp_path):
         load_config(write(tmp_path, c))
     c["thinker"]["fp8_experts"] = "channel"
     assert load_config(write(tmp_path, c)).thinker.native_args["fp8_activations"] is True
+    c["talker"] = {"fp8_experts": "channel", "fp8_fused_quant": True}  # quantises what is not fp8
+    with pytest.raises(ConfigError, match="talker.fp8_fused_quant quantises the experts' fp8 activations"):
+        load_config(write(tmp_path, c))
+    c["talker"]["fp8_activations"] = True
+    assert load_config(write(tmp_path, c)).talker.native_args["fp8_fused_quant"] is True
 
 
 def test_unsplit_decode_attention_needs_the_tensor_core_kernels(tmp_path):

@@ -402,10 +402,11 @@ def test_fp8_grouped_experts_track_bf16_in_and_out_of_a_graph(pair):
 
 
 def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
-    """moe: triton's experts (bf16, fp8 per channel, fp8 per 128 x 128 tile, with bf16 or e4m3 activations) on a
-    layer's real activations, at decode-sized token counts (the Triton kernels) and a prefill-sized one, against
-    the bf16 grouped GEMM; replayed from a graph as run eagerly (up to index_add_'s atomic order where the grouped
-    GEMM runs)."""
+    """moe: triton's experts (bf16, fp8 per channel, fp8 per 128 x 128 tile, with bf16 or e4m3 activations, the
+    latter quantised for the down projection by a kernel of its own or by the gate/up kernel) on a layer's real
+    activations, at decode-sized token counts (the Triton kernels) and a prefill-sized one, against the bf16
+    grouped GEMM; replayed from a graph as run eagerly (up to index_add_'s atomic order where the grouped GEMM
+    runs)."""
     from services.llm.context import step_context
     from services.llm.fp8 import Fp8Experts
 
@@ -417,16 +418,20 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
             "fp8-block": (Fp8Experts(layer.experts, 128), 0.08),
             # e4m3 activations too, per token and 128 channels: about what per-token fp8 costs the grouped GEMM
             "fp8-channel-a8": (Fp8Experts(layer.experts, None, activations=True), 0.1),
-            "fp8-block-a8": (Fp8Experts(layer.experts, 128, activations=True), 0.1)}
+            "fp8-block-a8": (Fp8Experts(layer.experts, 128, activations=True), 0.1),
+            # the down projection's input quantised by the gate/up kernel (thinker.fp8_fused_quant): the same bits
+            "fp8-channel-a8-fused": (Fp8Experts(layer.experts, None, activations=True, fused_quant=True), 0.1),
+            "fp8-block-a8-fused": (Fp8Experts(layer.experts, 128, activations=True, fused_quant=True), 0.1)}
     for n in (1, 8, 64, 300):  # 300: a prefill-sized step (grouped GEMM; 128 x 128 tiles dequantised for it)
         x = inputs[:n].clone()
         top, w = route(x, layer.gate.weight, 8, True)
+        outs = {}
         with torch.no_grad():
             with step_context(None, "grouped"):
                 ref = layer.experts(x, top, w)
             for name, (module, bound) in ways.items():
                 with step_context(None, "triton"):
-                    eager = module(x, top, w)
+                    eager = outs[name] = module(x, top, w)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         captured = module(x, top, w)
@@ -437,6 +442,9 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
                     assert torch.equal(captured, eager), (n, name)
                 else:
                     assert rel(captured, eager) < 0.005, (n, name)
+        for scale in ("channel", "block"):  # fused at 64 tokens (N tiles of 128), the quantising kernel at 1 and 8
+            if n <= 64:
+                assert torch.equal(outs[f"fp8-{scale}-a8-fused"], outs[f"fp8-{scale}-a8"]), (n, scale)
 
 
 def test_grouped_experts_give_the_same_bits_every_run():

@@ -21,7 +21,7 @@ from services.llm import fp8, layers, moe, triton_moe
 
 torch.manual_seed(0)
 E, H, I, K = 8, 256, 256, 3  # the kernels' tiles: 64 channels by 128 of the reduction; two of them either way
-out = {}
+out, same = {}, {}
 
 
 def a8_loop(x, ids, w, gate_up, down):
@@ -63,6 +63,14 @@ for t in (1, 2, 5, 17, 40):
         ref = a8_loop(x, ids, w, fp8.dequantize(gq, gs, block), fp8.dequantize(dq, ds, block))
         got = triton_moe.experts(x, ids, w, gq, dq, gs, ds, block, fp8_activations=True)
         out[f"fp8-{block or 'channel'}-a8/{t}"] = rel(got, ref)
+        # The down projection's input quantised by the gate/up kernel (N tiles of 128: 17 and 40 tokens; at 1, 2
+        # and 5 tokens the tiles are 64 wide and the quantising kernel runs as without it): the same output.
+        quantised, quantize_groups = [], triton_moe.quantize_groups
+        triton_moe.quantize_groups = lambda a: quantised.append(a.shape) or quantize_groups(a)
+        fused = triton_moe.experts(x, ids, w, gq, dq, gs, ds, block, fp8_activations=True, fused_quant=True)
+        triton_moe.quantize_groups = quantize_groups
+        # the output unchanged, and the quantising kernel run for the gate/up input alone where the tiles are 128
+        same[f"fused-quant-{block or 'channel'}/{t}"] = torch.equal(fused, got) and len(quantised) == (1 if t > 16 else 2)
 # The down kernel on tiles of its own (N tile 128, as bench.moe's down sweep may choose), BLOCK_M and BLOCK_K shared.
 default_tiles = triton_moe._tiles
 triton_moe._tiles = lambda *_: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2,
@@ -128,6 +136,7 @@ for t, k, norm in ((1, 8, True), (7, 6, False), (40, 8, True)):  # the thinker's
         "weights": (w.float().sort(-1).values - ref_w.float().sort(-1).values).abs().max().item(),
         "dtypes": [str(ids.dtype), str(w.dtype)],
     }
+out["same"] = same
 json.dump(out, sys.stdout)
 """
 
@@ -141,6 +150,8 @@ def test_triton_experts_equal_the_loop_over_experts():
     routes = {name: out.pop(name) for name in [n for n in out if n.startswith("route")]}
     assert out.pop("quantize") == {"q": True, "scale": True, "dtypes": ["torch.float8_e4m3fn", "torch.float32"]}
     assert out.pop("down-tiles-refused") is True  # only the N tile, warps and stages are the down kernel's own
+    same = out.pop("same")
+    assert len(same) == 10 and all(same.values()), same  # fused_quant: equal outputs, fused or not
     assert len(out) == 51 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out

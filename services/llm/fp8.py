@@ -71,13 +71,14 @@ class Fp8Experts(nn.Module):
     """The experts of one layer in fp8, with their scales; same call as `Experts`."""
 
     def __init__(self, experts: Experts, block: int | None, stored: tuple[torch.Tensor, ...] | None = None,
-                 activations: bool = False):
+                 activations: bool = False, fused_quant: bool = False):
         """Quantises `experts`; or, with `stored` (gate_up, its scales, down, its scales: a block-fp8
         checkpoint's own values, services.model.load.read_fp8_experts), takes those as they are. With
         `activations`, decode steps through the Triton kernels take the experts' inputs in e4m3 too (per token
-        and 128 channels, triton_moe.quantize_groups) and multiply on fp8 tensor cores."""
+        and 128 channels, triton_moe.quantize_groups) and multiply on fp8 tensor cores; with `fused_quant` the
+        down projection's input is quantised by the gate/up kernel (triton_moe.experts)."""
         super().__init__()
-        self.block, self.activations = block, activations
+        self.block, self.activations, self.fused_quant = block, activations, fused_quant
         for i, name in enumerate(("gate_up_proj", "down_proj")):
             weight = getattr(experts, name)
             if stored is None:
@@ -93,7 +94,7 @@ class Fp8Experts(nn.Module):
         backend = get_context().moe_backend
         if x.is_cuda and backend in TRITON and x.shape[0] <= triton_moe.MAX_TOKENS:
             return triton_moe.experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
-                                      self.down_proj_scale, self.block, residual, self.activations)
+                                      self.down_proj_scale, self.block, residual, self.activations, self.fused_quant)
         if (x.is_cuda and backend == "triton_sorted" and self.block is None and not self.activations
                 and x.shape[0] <= triton_moe.SORTED_MAX_TOKENS):
             return triton_moe.experts_sorted(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
@@ -139,7 +140,8 @@ def fp8_layout(fp8_experts: str, model_dir, load_format: str, component: str) ->
     return tile, read_fp8_experts(model_dir, component, tile)
 
 
-def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict | None = None, activations: bool = False) -> int:
+def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict | None = None, activations: bool = False,
+                      fused_quant: bool = False) -> int:
     """Swaps every experts module of `model` for its fp8 version, in place; returns how many it swapped.
     `stored` (read_fp8_experts of a checkpoint in `block` tiles, by experts-module name) gives the values of
     those it covers as the checkpoint has them, not quantised again."""
@@ -147,7 +149,7 @@ def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict |
     for name, module in list(model.named_modules()):
         if isinstance(getattr(module, "experts", None), Experts):
             key = f"{name}.experts" if name else "experts"
-            module.experts = Fp8Experts(module.experts, block, (stored or {}).get(key), activations)
+            module.experts = Fp8Experts(module.experts, block, (stored or {}).get(key), activations, fused_quant)
             swapped += 1
     return swapped
 

@@ -123,11 +123,15 @@ if triton is not None:
         return v.to(DOT)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, out_ptr, R, E, H: tl.constexpr,
-                        I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_xs, stride_we, stride_wn, stride_se,
-                        stride_sn, stride_out, SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
-                        M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, COMPACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, out_ptr, out_s_ptr, R, E,
+                        H: tl.constexpr, I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_xs, stride_we, stride_wn,
+                        stride_se, stride_sn, stride_out, stride_out_s, SCALE: tl.constexpr, DOT: tl.constexpr,
+                        A8: tl.constexpr, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr, SORTED: tl.constexpr,
+                        COMPACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        QUANT_OUT: tl.constexpr = False, GRID_ROUND: tl.constexpr = False):
+        """silu(gate) * up of each routed row, into `out` [R, I] in its dtype; with QUANT_OUT (BLOCK_N 128: a
+        program's columns are one scale group) in e4m3 with a float32 scale per row and group into `out_s`
+        [R, I / 128], as quantize_groups gives from the bf16 values, so no kernel of its own does that."""
         e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
                                                   SORTED, COMPACT)
         if any_rows:
@@ -169,8 +173,13 @@ if triton is not None:
                 acc_g *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
                 acc_u *= tl.load(s_ptr + e * stride_se + I + offs_n)[None, :]
             act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
-                     mask=m_mask[:, None])
+            if QUANT_OUT:  # rounded to bf16 first, as the stored activations quantize_groups would read
+                q, q_scale = _quantize_rows(act.to(tl.bfloat16), GRID_ROUND)
+                tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], q, mask=m_mask[:, None])
+                tl.store(out_s_ptr + rows * stride_out_s + tl.program_id(1), q_scale, mask=m_mask)
+            else:
+                tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
+                         mask=m_mask[:, None])
 
     @triton.jit
     def _down_kernel(a_ptr, as_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, route_w_ptr, out_ptr, R, E,
@@ -314,12 +323,15 @@ def _dot_type(scale: int):
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-            block: int | None = None, residual: torch.Tensor | None = None, fp8_activations: bool = False) -> torch.Tensor:
+            block: int | None = None, residual: torch.Tensor | None = None, fp8_activations: bool = False,
+            fused_quant: bool = False) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] (bf16, or fp8 with `*_scale`:
     [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype, plus
     `residual` [T, H] when given (added in float32 before the one rounding). With fp8 weights and
     `fp8_activations`, both projections' inputs are quantised to e4m3 per row and 128 channels inside the
-    kernels and the products run on fp8 tensor cores (no weight converted to bf16)."""
+    kernels and the products run on fp8 tensor cores (no weight converted to bf16). `fused_quant`: the down
+    projection's input is quantised by the gate/up kernel as it stores it, not by a kernel of its own, where a
+    program's columns are one scale group (N tiles of 128, bf16 inputs); elsewhere as without it."""
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
@@ -345,8 +357,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, SORTED=False,
                   COMPACT=compact, **cfg)
     programs = (t * k if compact else n_exp) * m_blocks
+    fused = bool(fused_quant and a8 and cfg["BLOCK_N"] == 128 and x.dtype == torch.bfloat16)
     return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
-                   (flat_ids, flat_ids, flat_ids), programs, common, down_tiles)  # rows and block experts unread
+                   (flat_ids, flat_ids, flat_ids), programs, common, down_tiles, fused)  # rows and block experts unread
 
 
 QUANT_ROWS = 16  # rows per quantising program
@@ -367,10 +380,11 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual, ptrs: tuple, programs: int,
-            common: dict, down_tiles: dict | None = None) -> torch.Tensor:
+            common: dict, down_tiles: dict | None = None, fused_quant: bool = False) -> torch.Tensor:
     """The gate/up, down and combining kernels of `experts` and `experts_sorted`: `programs` row blocks, whose
     rows the kernels find in the ids or read from `align`'s (`ptrs`: ids, rows, block experts; SORTED); the
-    down kernel with `down_tiles` (DOWN_KEYS) in place of those of `common`."""
+    down kernel with `down_tiles` (DOWN_KEYS) in place of those of `common`; with `fused_quant` (A8, N tiles of
+    128) the gate/up kernel storing the down projection's input in e4m3 with its scales."""
     t, k = ids.shape
     n_exp, two_i, h = gate_up.shape
     i, bk = two_i // 2, common["BLOCK_K"]
@@ -381,7 +395,9 @@ def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
     if h % bk or i % bk or i % bn or h % dn or h % COMBINE_BLOCK:
         raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {dn}, {bk})")
     x, r = x.contiguous(), t * k
-    act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up of every routed row
+    # silu(gate) * up of every routed row (in e4m3, with a scale per row and 128 channels, where fused_quant)
+    act = torch.empty(r, i, device=x.device, dtype=torch.float8_e4m3fn if fused_quant else x.dtype)
+    act_scale = torch.empty(r, i // 128, device=x.device, dtype=torch.float32) if fused_quant else act
     y = torch.empty(r, h, device=x.device, dtype=torch.float32)  # every routed row's output, weighted
     su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
     sd = down_scale if down_scale is not None else act
@@ -391,9 +407,13 @@ def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
         # A8: each projection's input in e4m3 with its scales, quantised once for all the programs that read it
         a, a_scale = quantize_groups(x) if common["A8"] else (x, act)  # (act: unread)
         _gate_up_kernel[(programs, i // bn)](
-            a, a_scale, gate_up, su, *ptrs, act, r, n_exp, h, i, k, a.stride(0), a_scale.stride(0), gate_up.stride(0),
-            gate_up.stride(1), su.stride(0), su_n, act.stride(0), **common)
-        a, a_scale = quantize_groups(act) if common["A8"] else (act, act)
+            a, a_scale, gate_up, su, *ptrs, act, act_scale, r, n_exp, h, i, k, a.stride(0), a_scale.stride(0),
+            gate_up.stride(0), gate_up.stride(1), su.stride(0), su_n, act.stride(0), act_scale.stride(0),
+            QUANT_OUT=fused_quant, GRID_ROUND=_interpreted(), **common)
+        if fused_quant:
+            a, a_scale = act, act_scale
+        else:
+            a, a_scale = quantize_groups(act) if common["A8"] else (act, act)
         _down_kernel[(programs, h // dn)](
             a, a_scale, down, sd, *ptrs, weights.reshape(-1).contiguous(), y, r, n_exp, i, a.stride(0), a_scale.stride(0),
             down.stride(0), down.stride(1), sd.stride(0), sd_n, y.stride(0), **down_common)

@@ -187,6 +187,10 @@ class LMStageConfig(EngineStageConfig):
     # With fp8 experts: decode steps' expert inputs in e4m3 too (per token and 128 channels, quantised once per
     # projection), multiplied on fp8 tensor cores; off: bf16 inputs, the weights converted as they load.
     fp8_activations: bool = False
+    # With fp8 activations: the down projection's input quantised by the gate/up kernel as it stores it, where its
+    # N tiles are 128 wide (17 to 64 tokens a step), not by a kernel of its own: one kernel less a layer, the same
+    # output (tests/test_triton_moe.py). Off until measured (scripts/ab-2xh200 OUT gpu0).
+    fp8_fused_quant: bool = False
     # Attention kernels: flashinfer (GPU, 16-bit), PyTorch's SDPA (anywhere), or auto: flashinfer where it can run.
     attention: Literal["auto", "torch", "flashinfer"] = "auto"
     # Decode steps of up to this many sequences replay CUDA graphs (flashinfer attention, grouped or triton
@@ -212,7 +216,7 @@ class LMStageConfig(EngineStageConfig):
     def native_args(self) -> dict:
         return dict(block_size=self.block_size, kv_blocks=self.kv_blocks, max_batched_tokens=self.max_batched_tokens,
                     max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts,
-                    fp8_activations=self.fp8_activations, attention=self.attention,
+                    fp8_activations=self.fp8_activations, fp8_fused_quant=self.fp8_fused_quant, attention=self.attention,
                     cuda_graph_max_batch=self.cuda_graph_max_batch, decode_tensor_cores=self.decode_tensor_cores,
                     decode_split_kv_max_batch=self.decode_split_kv_max_batch, step_graphs=self.step_graphs, compile=self.compile)
 
@@ -329,6 +333,9 @@ class MeshConfig:
         for stage in ("thinker", "talker"):
             if getattr(self, stage).fp8_activations and getattr(self, stage).fp8_experts == "off":
                 raise ConfigError(f"{stage}.fp8_activations needs fp8 experts ({stage}.fp8_experts: channel or block)")
+            if getattr(self, stage).fp8_fused_quant and not getattr(self, stage).fp8_activations:
+                raise ConfigError(f"{stage}.fp8_fused_quant quantises the experts' fp8 activations: it needs "
+                                  f"{stage}.fp8_activations")
             if getattr(self, stage).decode_split_kv_max_batch >= 0 and not getattr(self, stage).decode_tensor_cores:
                 raise ConfigError(f"{stage}.decode_split_kv_max_batch needs {stage}.decode_tensor_cores (flashinfer's "
                                   "CUDA-core decode kernel is planned its own way)")

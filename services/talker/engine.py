@@ -63,7 +63,8 @@ class NativeTalker(SpeechEngine):
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
-                 fp8_experts: str = "off", fp8_activations: bool = False, attention: str = "auto", cuda_graph_max_batch: int = 0,
+                 fp8_experts: str = "off", fp8_activations: bool = False, fp8_fused_quant: bool = False,
+                 attention: str = "auto", cuda_graph_max_batch: int = 0,
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
                  code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
                  step_graphs: int = 0, decode_tensor_cores: bool = True, decode_split_kv_max_batch: int = -1,
@@ -78,7 +79,7 @@ class NativeTalker(SpeechEngine):
         load_weights_(talker, "talker", model_dir, dtype, load_format, seed)
         if fp8_experts != "off":
             quantize_experts_(talker, *fp8_layout(fp8_experts, model_dir, load_format, "talker"),
-                              activations=fp8_activations)
+                              activations=fp8_activations, fused_quant=fp8_fused_quant)
         talker.to(device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
         fuse_projections_(talker)
         super().__init__(talker, model_dir, device, dtype, load_format, seed,

@@ -65,6 +65,7 @@ class NativeThinker:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
                  max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", fp8_activations: bool = False,
+                 fp8_fused_quant: bool = False,
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
                  decode_split_kv_max_batch: int = -1):
@@ -83,7 +84,7 @@ class NativeThinker:
         load_weights_(self.model, "thinker", model_dir, dtype, load_format, seed)
         if fp8_experts != "off":
             quantize_experts_(self.model, *fp8_layout(fp8_experts, model_dir, load_format, "thinker"),
-                              activations=fp8_activations)
+                              activations=fp8_activations, fused_quant=fp8_fused_quant)
         self.model.to(self.device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
         fuse_projections_(self.model)
         spec = OmniSpec.load(model_dir)
