@@ -279,6 +279,32 @@ def test_a_predictor_frame_does_not_depend_on_padding_rows(tiny_model):
     torch.testing.assert_close(padded_embeds[:2], embeds)
 
 
+def test_a_steps_inputs_are_its_queued_rows_in_the_works_order(tiny_model):
+    """A decode step's inputs are the tensor this step's inputs were queued in: as it is when the work takes them
+    in queued order, gathered into the work's order otherwise, and each request's own last row joined where one
+    was not queued this step (the batched speech tests only ever take the first way)."""
+    from services.llm.scheduler import Work
+    from services.talker.engine import TalkerState
+
+    engine = NativeTalker(tiny_model, max_seqs=8)
+    g = torch.Generator().manual_seed(0)
+    d = engine.talker.config.text_config.hidden_size
+
+    def state(rows: int) -> TalkerState:
+        return TalkerState(tokens=[0] * rows, inputs=[torch.randn(rows, d, generator=g)], positions=[torch.zeros(3, rows)])
+
+    states = [state(2) for _ in range(3)]
+    queued = torch.stack([st.inputs[-1][1] for st in states])  # each request's last input, as _queue_inputs stacks them
+    engine.queued = queued, {id(st): j for j, st in enumerate(states)}
+    work = [Work(st, 1, 1) for st in states]
+    assert engine._step_inputs(work) is queued
+    assert torch.equal(engine._step_inputs(work[::-1]), queued.flip(0))
+    other = state(1)  # its last input queued in an earlier step
+    assert torch.equal(engine._step_inputs([work[2], Work(other, 0, 1)]), torch.cat([queued[2:], other.inputs[0]]))
+    engine.queued = None  # nothing queued this step
+    assert torch.equal(engine._step_inputs(work[:2]), queued[:2])
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_request_preempted_between_frames_draws_no_frame_twice(tiny_model, cases, overlap):
     """A request whose last row is computed and its frame drawn, waiting for the text of its next input, is

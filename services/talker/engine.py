@@ -131,6 +131,9 @@ class NativeTalker(SpeechEngine):
         # pinned host buffer of its own, which the next plan rewrites, so that copy must have run first (with
         # overlap it is queued behind the step the device is running; done by then in practice, not by rule).
         self.planned = None
+        # This step's frame inputs as _queue_inputs stacked them, and the row of each request's (by id of its
+        # state): a captured step taking them takes that tensor, not each request's row joined again.
+        self.queued: tuple[torch.Tensor, dict[int, int]] | None = None
         self.cp_graphs = self.graphs = None
         if cuda_graph_max_batch and self.device.type == "cuda":  # the predictor is dense: no experts to capture
             from services.llm.graphs import CapturedGraphs, ladder
@@ -249,6 +252,7 @@ class NativeTalker(SpeechEngine):
                 touched[id(seq)] = seq
                 self._admit(seq)
         going = [s for s in seqs if self.started(s) and s.next_embed is not None and self._input_known(s)]
+        self.queued = None
         if going:
             self._queue_inputs(going)
         launched = self._forward()
@@ -301,6 +305,7 @@ class NativeTalker(SpeechEngine):
             state.positions.append(positions[:, j:j + 1])
             state.tokens.append(PLACEHOLDER)
             seq.next_embed = None
+        self.queued = inputs, {id(state): j for j, state in enumerate(states)}
 
     def _launch_frames(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor, since) -> "_Frames":
         """The frames whose first codes `code0` [B] the talker's step just sampled (on the device, not yet read)
@@ -451,7 +456,9 @@ class NativeTalker(SpeechEngine):
     def _rows(self, work: list) -> torch.Tensor:
         """The talker's hidden states for every row of the step: in pieces (step_graphs), or eagerly."""
         rows = [w.seq.rows(w.start, w.n) for w in work]
-        x, positions = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows], dim=1)
+        decode = all(w.n == 1 and w.start + 1 == len(w.seq.tokens) for w in work)  # each request's last input
+        x = self._step_inputs(work) if decode else torch.cat([r[0] for r in rows])
+        positions = torch.cat([r[1] for r in rows], dim=1)
         attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work])
         if self.pieces is not None and x.shape[0] <= self.pieces.max_tokens:
             return self.pieces.forward(x, positions, attention)[0]
@@ -467,7 +474,7 @@ class NativeTalker(SpeechEngine):
         """Hidden states and codec logits of a decode step, replayed from its graph."""
         n = len(work)
         b = self.graphs.size_for(n)
-        self.decode_x[:n] = torch.cat([w.seq.rows(w.start, 1)[0] for w in work])
+        self.decode_x[:n] = self._step_inputs(work)
         pos = torch.tensor([w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n), dtype=torch.long)
         upload_into(self.decode_pos[:b], pos)
         if self.planned is not None:
@@ -488,6 +495,17 @@ class NativeTalker(SpeechEngine):
         hidden, logits, *code0 = self.graphs.replay(b)
         # valid until the next replay: the predictor copies the states before it
         return hidden[:n], logits[:n], code0[0][:n] if drawn else None
+
+    def _step_inputs(self, work: list) -> torch.Tensor:
+        """The inputs [n, D] of a captured step's rows (each its request's last input): this step's queued ones
+        as stacked, in their order or gathered into the work's; each request's row joined where one is older."""
+        inputs, row_of = self.queued or (None, {})
+        rows = [row_of.get(id(w.seq), -1) for w in work]
+        if -1 in rows:
+            return torch.cat([w.seq.rows(w.start, 1)[0] for w in work])
+        if rows == list(range(len(inputs))):
+            return inputs
+        return inputs[upload(rows, self.device, torch.long)]
 
     def _first_drawable(self, seqs: list[TalkerSeq]) -> bool:
         """Whether the captured step's draw gives every row of `seqs` the first code `_sample_first` gives it
