@@ -6,7 +6,8 @@ from services.llm.layers import MLP, SparseMoE, fuse_projections_
 
 
 def test_a_fused_mlp_equals_the_plain_one():
-    """gate and up in one GEMM, the residual added in the down GEMM: what the separate projections give."""
+    """gate and up in one GEMM, the residual added in the down GEMM: what the separate projections give. The
+    fused form adds into the residual itself (the layer's own, read by nothing after) and returns it."""
     torch.manual_seed(0)
     mlp = MLP(32, 48)
     x, residual = torch.randn(5, 32), torch.randn(5, 32)
@@ -14,7 +15,10 @@ def test_a_fused_mlp_equals_the_plain_one():
     fuse_projections_(torch.nn.ModuleList([mlp]))
     assert mlp.gate_up_weight is not None and mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
     torch.testing.assert_close(mlp(x), plain)
-    torch.testing.assert_close(mlp(x, residual), plain_res)
+    consumed = residual.clone()
+    out = mlp(x, consumed)
+    torch.testing.assert_close(out, plain_res)
+    assert out is consumed  # added into in place: no copy of the residual first
     torch.testing.assert_close(mlp(x[None], residual[None])[0], plain_res)  # not a matrix: the plain form
 
 
