@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from bench.stages import THINKER_SAMPLING, TalkerFeed
+from bench.stages import THINKER_SAMPLING
+from bench.talker import TalkerFeed
 from services.llm.sampling import SamplingParams
 from services.runtime.config import load_config
 
