@@ -2,6 +2,8 @@
 split into talker / code predictor / code2wav (`python -m bench.stages --stages talker`); and the feed itself,
 which bench.profile_step's talker steps take too."""
 
+import time
+
 import torch
 
 from bench.workloads import FRAMES_PER_SECOND, ascii_prompt
@@ -43,6 +45,18 @@ class TalkerFeed:
         return seqs
 
 
+def step_spread(walls: list[float]) -> dict:
+    """Decode steps' wall times: their median, 90th percentile and slowest in ms, and which steps were slowest
+    (a one-off cost inside the run, a compile or an allocation, shows as a few long steps; a slow host as a
+    slow median)."""
+    if not walls:
+        return {}
+    ordered = sorted(walls)
+    slowest = sorted(range(len(walls)), key=walls.__getitem__)[-3:][::-1]
+    return {"step_ms_p50": 1000 * ordered[len(ordered) // 2], "step_ms_p90": 1000 * ordered[(9 * len(ordered)) // 10],
+            "step_ms_max": 1000 * ordered[-1], "slowest_steps": slowest}
+
+
 def talker_cells(cfg: MeshConfig, device: str, args):
     from bench.stages import timed
     from services.talker.server import make_engine
@@ -68,17 +82,21 @@ def talker_cells(cfg: MeshConfig, device: str, args):
 
         prefill_s, _ = timed(prompts, dev)
         before, steps = made(seqs), 0
+        walls.clear()
 
         def decode():
             nonlocal steps
+            t = time.perf_counter()
             while ready := [s for s in seqs if engine.ready(s)]:
                 engine.step(ready)
                 steps += 1
+                walls.append(-t + (t := time.perf_counter()))
 
         waited = engine.waited_s
         decode_s, _ = timed(decode, dev)
         return prefill_s, decode_s, steps, sum(len(s.frames) for s in seqs) - before, engine.waited_s - waited
 
+    walls: list[float] = []  # each decode step's wall seconds, host side (the last run's)
     stream = getattr(engine, "vocode_stream", None)
 
     def use(mode: str) -> None:
@@ -121,5 +139,6 @@ def talker_cells(cfg: MeshConfig, device: str, args):
                # copy) and the rest (on a GPU: the host's own work, which the device waits for where the wait is ~0)
                **({"wait_ms_per_step": wait_ms, "host_ms_per_step": 1000 * decode_s / max(steps, 1) - wait_ms}
                   if dev.type == "cuda" else {}),
+               **step_spread(walls),
                **{f"{k}_s": v for k, v in split.items()},
                **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}

@@ -199,6 +199,9 @@ def test_stage_benchmarks(bench_dir):
         # the decode steps' own frames: each request's first frame came with its prompt's steps
         assert 0 < talker["decode_frames"] <= 3 * b
         assert talker["frames_per_s"] == pytest.approx(talker["decode_frames"] / talker["seconds"])
+        # each decode step's wall time: its spread, and the slowest steps by index
+        assert 0 < talker["step_ms_p50"] <= talker["step_ms_p90"] <= talker["step_ms_max"]
+        assert talker["step_ms_max"] <= 1000 * talker["seconds"] and all(0 <= i < talker["steps"] for i in talker["slowest_steps"])
         for item in ("image", "audio"):
             assert by[(("stage", "encoder"), ("item", item), ("batch", b))]["items_per_s"] > 0
     assert report.main([str(out)])[0].read_text().count("## ") == 5
