@@ -271,6 +271,8 @@ def parse_args(argv=None):
     p.add_argument("--thinker-modes", default="config",
                    help="native thinker, each batch's decode under each mode on one engine: config, plain, overlap; "
                         "an -eager-draw suffix draws tokens after the graph (thinker.graph_sampling off)")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="freeze the heap after the engine's build and warm-up, as the stage servers do (talker cells)")
     p.add_argument("--talker-modes", default="config",
                    help="native talker, each batch under each mode on one engine (one build, one capture): config, "
                         "plain, overlap; a -graph-draw suffix draws first codes in the captured step (built with "

@@ -9,7 +9,9 @@ import torch
 from bench.workloads import FRAMES_PER_SECOND, ascii_prompt
 from services.llm.mrope import Layout
 from services.llm.sampling import SamplingParams
+from services.runtime import heap
 from services.runtime.config import MeshConfig
+from services.runtime.heap import Pauses
 
 TALKER_SAMPLING = dict(temperature=0.9, top_p=1.0, top_k=50, repetition_penalty=1.05, ignore_eos=True)
 
@@ -93,10 +95,13 @@ def talker_cells(cfg: MeshConfig, device: str, args):
                 walls.append(-t + (t := time.perf_counter()))
 
         waited = engine.waited_s
-        decode_s, _ = timed(decode, dev)
+        with Pauses() as pauses:
+            decode_s, _ = timed(decode, dev)
+        gc_pauses.update(gc_passes=pauses.count, gc_ms=pauses.total_ms, gc_max_ms=pauses.max_ms)
         return prefill_s, decode_s, steps, sum(len(s.frames) for s in seqs) - before, engine.waited_s - waited
 
     walls: list[float] = []  # each decode step's wall seconds, host side (the last run's)
+    gc_pauses: dict = {}  # the garbage collector's passes in the last run's decode steps
     stream = getattr(engine, "vocode_stream", None)
 
     def use(mode: str) -> None:
@@ -119,6 +124,8 @@ def talker_cells(cfg: MeshConfig, device: str, args):
     run(warm)
     for s in warm:
         engine.free(s)
+    if args.gc_freeze:
+        heap.freeze()  # as a stage server does before it serves
     for b, mode in [(b, m) for b in args.batches for m in args.talker_modes.split(",")]:
         use(mode)
         seqs = batch(b, args.frames)
@@ -139,6 +146,6 @@ def talker_cells(cfg: MeshConfig, device: str, args):
                # copy) and the rest (on a GPU: the host's own work, which the device waits for where the wait is ~0)
                **({"wait_ms_per_step": wait_ms, "host_ms_per_step": 1000 * decode_s / max(steps, 1) - wait_ms}
                   if dev.type == "cuda" else {}),
-               **step_spread(walls),
+               **step_spread(walls), **gc_pauses,
                **{f"{k}_s": v for k, v in split.items()},
                **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}

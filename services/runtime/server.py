@@ -19,7 +19,7 @@ from google.protobuf import message_factory
 from prometheus_client import start_http_server
 
 from omni.stage.v1 import load_pb2
-from services.runtime import metrics
+from services.runtime import heap, metrics
 from services.runtime.config import MeshConfig, load_config
 from services.runtime.metrics import parse
 from services.runtime.worker import use_device
@@ -113,6 +113,7 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     start_http_server(r.metrics_port, addr=r.bind_address.rsplit(":", 1)[0])
     server = grpc.aio.server(options=grpc_options(max_message_bytes))
     built = await build(cfg, replica, server)
+    log.info("%s[%d] froze %d objects built before serving", stage, replica, heap.freeze())
     built.services.append(add_service(server, LoadServicer(stage, replica, built.load), load_pb2.DESCRIPTOR.services_by_name["Load"]))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
