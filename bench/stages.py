@@ -29,6 +29,7 @@ from bench.talker import talker_cells
 from bench.routing import chat_prompts, experts_touched
 from bench.workloads import clip_wav, image_png
 from services.llm.sampling import SamplingParams
+from services.runtime import heap
 from services.runtime.config import Limits, MeshConfig, load_config
 from services.runtime.protoconv import DTYPES
 
@@ -95,6 +96,8 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
         engine.step(warm)
     for s in warm:  # an engine keeps stepping a sequence until it is freed (the server frees it when it stops)
         engine.free(s)
+    if args.gc_freeze:
+        heap.freeze()  # as a stage server does before it serves
     modes = args.thinker_modes.split(",")
 
     def use(mode: str) -> str:
@@ -272,7 +275,7 @@ def parse_args(argv=None):
                    help="native thinker, each batch's decode under each mode on one engine: config, plain, overlap; "
                         "an -eager-draw suffix draws tokens after the graph (thinker.graph_sampling off)")
     p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
-                   help="freeze the heap after the engine's build and warm-up, as the stage servers do (talker cells)")
+                   help="freeze the heap after the engine's build and warm-up, as the stage servers do (thinker and talker cells)")
     p.add_argument("--talker-modes", default="config",
                    help="native talker, each batch under each mode on one engine (one build, one capture): config, "
                         "plain, overlap; a -graph-draw suffix draws first codes in the captured step (built with "

@@ -186,6 +186,17 @@ def test_model_info(mesh):
     assert info.limits.max_media_items == 4
 
 
+def test_every_stage_froze_what_it_built_before_serving(mesh):
+    """Each stage process froze its heap (heap.freeze) before it said it was serving: the collector's full
+    passes no longer walk the model it loaded (the talker stalled ~500 ms mid-step without it, session 18)."""
+    import re
+
+    for name, _, _ in mesh.processes():
+        log = (mesh.log_dir / f"{name}.log").read_text()
+        froze, serving = re.search(r"froze (\d+) objects built before serving", log), log.find("serving on")
+        assert froze and int(froze[1]) > 10_000 and -1 < froze.start() < serving, f"{name}: {log[-2000:]}"
+
+
 def test_health_and_reflection(mesh):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
