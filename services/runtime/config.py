@@ -189,7 +189,8 @@ class LMStageConfig(EngineStageConfig):
     fp8_activations: bool = False
     # With fp8 activations: the down projection's input quantised by the gate/up kernel as it stores it, where its
     # N tiles are 128 wide (17 to 64 tokens a step), not by a kernel of its own: one kernel less a layer, the same
-    # output (tests/test_triton_moe.py). Off until measured (scripts/ab-2xh200 OUT gpu0).
+    # output (tests/test_triton_moe.py). Measured, it is within the runs' spread: 3,076 against 3,059 tok/s at 32
+    # (bench/results/thinker-1xh200-fp8a8*-b32-f53beb6.json), so it stays off.
     fp8_fused_quant: bool = False
     # Attention kernels: flashinfer (GPU, 16-bit), PyTorch's SDPA (anywhere), or auto: flashinfer where it can run.
     attention: Literal["auto", "torch", "flashinfer"] = "auto"
