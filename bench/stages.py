@@ -28,6 +28,7 @@ from bench.code2wav import code2wav_cells
 from bench.talker import talker_cells
 from bench.routing import chat_prompts, experts_touched
 from bench.workloads import clip_wav, image_png
+from services.llm.host import laps_per_step
 from services.llm.sampling import SamplingParams
 from services.runtime import heap
 from services.runtime.config import Limits, MeshConfig, load_config
@@ -142,7 +143,9 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                         hosts.append(getattr(engine, "last_host_s", None))
                         launches.append(getattr(engine, "last_launch_s", None))
 
+                laps = dict(engine.laps.seconds) if hasattr(engine, "laps") else None  # the native engine's
                 seconds, _ = timed(decode, dev)
+                split = laps_per_step(laps, engine.laps.seconds, steps) if laps is not None else None
                 dev_ms = device_ms(lambda: engine.step(seqs), dev)
                 step_ms = 1000 * seconds / steps
                 touched = experts_touched(engine, seqs, b) if args.routing_stats else None
@@ -160,6 +163,8 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                        "launch_ms_per_step": 1000 * statistics.median(launches) if None not in launches else None,
                        # what of the step the device spends waiting on the host (host work not overlapped with it)
                        "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries,
+                       # the host's ms a step by phase (the native engine's laps; "wait": blocked on the device)
+                       **({"host_split_ms": split} if split is not None else {}),
                        **({"experts_touched": touched} if args.routing_stats else {})}
 
 

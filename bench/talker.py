@@ -7,6 +7,7 @@ import time
 import torch
 
 from bench.workloads import FRAMES_PER_SECOND, ascii_prompt
+from services.llm.host import laps_per_step
 from services.llm.mrope import Layout
 from services.llm.sampling import SamplingParams
 from services.runtime import heap
@@ -94,14 +95,16 @@ def talker_cells(cfg: MeshConfig, device: str, args):
                 steps += 1
                 walls.append(-t + (t := time.perf_counter()))
 
-        waited = engine.waited_s
+        waited, laps = engine.waited_s, dict(engine.laps.seconds)
         with Pauses() as pauses:
             decode_s, _ = timed(decode, dev)
-        gc_pauses.update(gc_passes=pauses.count, gc_ms=pauses.total_ms, gc_max_ms=pauses.max_ms)
+        run_stats.update(gc_passes=pauses.count, gc_ms=pauses.total_ms, gc_max_ms=pauses.max_ms,
+                         # the host's ms a step by phase ("wait": blocked on the device)
+                         host_split_ms=laps_per_step(laps, engine.laps.seconds, steps))
         return prefill_s, decode_s, steps, sum(len(s.frames) for s in seqs) - before, engine.waited_s - waited
 
     walls: list[float] = []  # each decode step's wall seconds, host side (the last run's)
-    gc_pauses: dict = {}  # the garbage collector's passes in the last run's decode steps
+    run_stats: dict = {}  # the last run's decode steps: the collector's passes, the host's phases
     stream = getattr(engine, "vocode_stream", None)
 
     def use(mode: str) -> None:
@@ -146,6 +149,6 @@ def talker_cells(cfg: MeshConfig, device: str, args):
                # copy) and the rest (on a GPU: the host's own work, which the device waits for where the wait is ~0)
                **({"wait_ms_per_step": wait_ms, "host_ms_per_step": 1000 * decode_s / max(steps, 1) - wait_ms}
                   if dev.type == "cuda" else {}),
-               **step_spread(walls), **gc_pauses,
+               **step_spread(walls), **run_stats,
                **{f"{k}_s": v for k, v in split.items()},
                **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}

@@ -218,9 +218,26 @@ def test_talker_modes_share_one_engine(bench_dir):
     assert [c["mode"] for c in cells] == ["decode plain", "decode overlap", "decode overlap-c2w-inline"]
     assert all(c["frames"] == 10 and c["steps"] > 0 for c in cells)
     assert [c["overlapped_steps"] > 0 for c in cells] == [False, True, True]
+    for c in cells:  # the native talker's host phases a step: each one its steps pass through, within the step
+        split = c["host_split_ms"]
+        assert {"admit", "inputs", "schedule", "sample", "launch", "queue", "read", "vocode"} <= set(split), split
+        assert all(v >= 0 for v in split.values()) and sum(split.values()) <= c["step_ms"] * 1.01, (split, c["step_ms"])
     with pytest.raises(SystemExit, match="no such switches"):
         stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(bench_dir / "none.json"), "--stages", "talker",
                      "--batches", "1", "--frames", "2", "--talker-modes", "overlap"])
+
+
+def test_native_thinker_cells_split_the_hosts_step_by_phase(bench_dir):
+    """The native thinker's decode cells give the host's ms a step by phase (its laps), each phase its overlapped
+    steps pass through present, none negative, all of them within the step."""
+    out = bench_dir / "thinker-laps.json"
+    stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "thinker", "--batches", "2",
+                 "--prompt-lens", "8", "--decode-steps", "4", "--set", "thinker.engine=native", "--set", "thinker.overlap=true"])
+    decode = next(c for c in results.read(out)["cells"] if c["mode"] == "decode")
+    split = decode["host_split_ms"]
+    assert {"schedule", "queue", "finish", "rest"} <= set(split), split
+    assert all(v >= 0 for v in split.values()) and sum(split.values()) <= decode["step_ms"] * 1.01, (split, decode["step_ms"])
+
 
 
 @pytest.mark.parametrize("stage", ["thinker", "talker", "thinker-prefill"])

@@ -40,3 +40,21 @@ def test_the_host_lists_benchmark_measures_both_ways(tmp_path):
     cells = results.read(tmp_path / "h.json")["cells"]
     assert [c["values"] for c in cells] == [32, 1024, 4096]
     assert all(c["torch_tensor_us"] > 0 and c["numpy_us"] > 0 and c["pinned"] is False for c in cells)
+
+
+def test_laps_charge_each_phase_its_time_less_the_waits_inside_it(monkeypatch):
+    """Clock reads 0, 1, 4, 10 (start, lap, lap, lap) with a wait of 2 inside the second phase: schedule 1,
+    launch 3 - 2 = 1, finish 6, wait 2; per step over two steps, half of each."""
+    from services.llm import host
+
+    clock = iter([0.0, 0.0, 1.0, 4.0, 10.0])
+    monkeypatch.setattr(host.time, "perf_counter", lambda: next(clock))
+    laps = host.Laps()
+    laps.start()
+    laps.lap("schedule")
+    laps.waited(2.0)
+    laps.lap("launch")
+    laps.lap("finish")
+    assert laps.seconds == {"schedule": 1.0, "wait": 2.0, "launch": 1.0, "finish": 6.0}
+    assert host.laps_per_step({"finish": 2.0}, laps.seconds, 2) == {"schedule": 500.0, "wait": 1000.0, "launch": 500.0,
+                                                                    "finish": 2000.0}

@@ -6,6 +6,8 @@ then spends the step blocked where it meant to queue work. From pinned memory th
 those kernels like one more of them. torch's pinned-memory cache keeps each buffer until its copy is done.
 """
 
+import time
+
 import numpy as np
 import torch
 
@@ -61,3 +63,32 @@ def scalar(value, like: torch.Tensor) -> torch.Tensor:
     tensor (`x[rows, cols] = value`), a Python number is made in host memory and copied over first, a copy that
     waits for everything queued on the device (a slice assignment fills without one)."""
     return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
+class Laps:
+    """The host's seconds in each phase of its steps, summed over them: `start()` at a step's beginning, then
+    `lap(name)` charges the time since the last mark to `name`, less what `waited()` reported inside it (charged
+    to "wait" instead). Two clock reads a phase; benches read `seconds` before and after a run and divide the
+    difference by its steps."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t, self._waited = time.perf_counter(), 0.0
+
+    def start(self) -> None:
+        self._t, self._waited = time.perf_counter(), 0.0
+
+    def lap(self, name: str) -> None:
+        t = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + t - self._t - self._waited
+        self._t, self._waited = t, 0.0
+
+    def waited(self, seconds: float) -> None:
+        """The host was blocked on the device this long since the last mark."""
+        self._waited += seconds
+        self.seconds["wait"] = self.seconds.get("wait", 0.0) + seconds
+
+
+def laps_per_step(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float]:
+    """Milliseconds a step in each phase between two reads of Laps.seconds."""
+    return {k: round(1000 * (v - before.get(k, 0.0)) / max(steps, 1), 4) for k, v in after.items()}

@@ -246,15 +246,18 @@ class NativeTalker(SpeechEngine):
         return out
 
     def _step(self, seqs: list[TalkerSeq]) -> list[tuple[TalkerSeq, TalkerStep]]:
-        touched = {}
+        touched, laps = {}, self.laps
+        laps.start()
         for seq in seqs:
             if not self.started(seq):
                 touched[id(seq)] = seq
                 self._admit(seq)
         going = [s for s in seqs if self.started(s) and s.next_embed is not None and self._input_known(s)]
+        laps.lap("admit")
         self.queued = None
         if going:
             self._queue_inputs(going)
+        laps.lap("inputs")
         launched = self._forward()
         if self.pending is not None:  # the frames launched last step (overlap): read now that this one is queued
             touched.update((id(s), s) for s in self._read(self.pending))
@@ -264,10 +267,12 @@ class NativeTalker(SpeechEngine):
             self.overlapped += 1
         elif launched is not None:
             touched.update((id(s), s) for s in self._read(launched))
+        laps.lap("read")
         # With nothing else queued (requests only waiting for their audio), wait for audio instead of polling.
         audio = self.vocode(list(touched.values()), wait=not touched)
         for seq, _ in audio.values():
             touched.setdefault(id(seq), seq)
+        laps.lap("vocode")
         # Only what a caller sees: audio, or the end. A step without either posts nothing to the request's RPC (at
         # 64 requests, a hundred steps a second would otherwise wake the server's event loop 6,400 times a second
         # for nothing, each wake-up taking the interpreter lock from this thread).
@@ -324,6 +329,7 @@ class NativeTalker(SpeechEngine):
             seq.frames_unread += 1
             if len(seq.frames) + seq.frames_unread < seq.params.max_tokens:
                 seq.next_embed = summed
+        self.laps.lap("queue")
         return _Frames(seqs, host, (since, launched, finished))
 
     def _read(self, frames: "_Frames") -> list[TalkerSeq]:
@@ -384,7 +390,9 @@ class NativeTalker(SpeechEngine):
         if b > n:  # zeroed in place (a Python 0 assigned might be copied over from host memory first)
             self.cp_ints[0, n:b].zero_()
             self.cp_hidden[n:b].zero_()
+        self.laps.lap("inputs")
         codes, embeds = self.cp_graphs.replay(b) if graph else self._predict_body(n)
+        self.laps.lap("launch")
         return codes[:n], embeds[:n]
 
     def _predict_body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,6 +426,7 @@ class NativeTalker(SpeechEngine):
         """One talker forward over what the scheduler picks; requests that caught up get their next frame
         launched (first code, then the code predictor), not read."""
         work = self.scheduler.schedule()
+        self.laps.lap("schedule")
         if not work:
             return None
         started, t0 = time.perf_counter(), mark(self.device)
@@ -447,6 +456,7 @@ class NativeTalker(SpeechEngine):
                 self.graph_draws += 1
             else:
                 code0 = self._sample_first(seqs, logits)
+            self.laps.lap("sample")
             return self._launch_frames(seqs, code0, h, t0)
         share = (time.perf_counter() - started) / len(work)  # prompt rows only: nothing is read back, the host's time
         for w in work:
@@ -477,11 +487,13 @@ class NativeTalker(SpeechEngine):
         self.decode_x[:n] = self._step_inputs(work)
         pos = torch.tensor([w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n), dtype=torch.long)
         upload_into(self.decode_pos[:b], pos)
+        self.laps.lap("inputs")
         if self.planned is not None:
             self.wait(self.planned)
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         self.planned = torch.cuda.Event()
         self.planned.record(torch.cuda.current_stream(self.device))
+        self.laps.lap("plan")
         drawn = self._first_drawable([w.seq.owner for w in work])
         if drawn:
             seqs, pad = [w.seq.owner for w in work], [0] * (b - n)
@@ -492,7 +504,9 @@ class NativeTalker(SpeechEngine):
                 [int(p.ignore_eos) for p in params]])
             upload_into(self.decode_draw[1][:, :b], [[p.temperature for p in params], [p.top_p for p in params],
                                                      [p.repetition_penalty for p in params]])
+        self.laps.lap("inputs")
         hidden, logits, *code0 = self.graphs.replay(b)
+        self.laps.lap("launch")
         # valid until the next replay: the predictor copies the states before it
         return hidden[:n], logits[:n], code0[0][:n] if drawn else None
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from services.llm.host import upload, upload_into
+from services.llm.host import Laps, upload, upload_into
 from services.llm.mrope import Layout, mrope_positions, tokens_from_config
 from services.llm.sampling import SamplingParams
 from services.model.load import load_component
@@ -169,6 +169,9 @@ class SpeechEngine:
         self.vocoding: deque[Vocoding] = deque()  # launched, in launch order (the order they complete in)
         self.live: set[int] = set()  # requests added and not freed: chunks of freed ones are dropped
         self.waited_s = 0.0  # the host's time blocked on the device (`wait`), for the benchmark's host/wait split
+        # The host's time by phase of its steps (the native engine's: admit, inputs, schedule, plan, launch, sample,
+        # queue, read, vocode, rest; and its waits on the device), summed.
+        self.laps = Laps()
 
     def chunk_shapes(self) -> list[int]:
         """The frame counts (left context included) code2wav sees for every chunk but a request's last."""
@@ -242,7 +245,9 @@ class SpeechEngine:
         """wait_for(m), its time counted in `waited_s`."""
         t = time.perf_counter()
         wait_for(m)
-        self.waited_s += time.perf_counter() - t
+        t = time.perf_counter() - t
+        self.waited_s += t
+        self.laps.waited(t)
 
     def runnable(self, seq: TalkerSeq) -> bool:
         """A started request can take its next step: the text its next frame adds is known."""

@@ -9,7 +9,7 @@ import torch
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import upload, upload_into
+from services.llm.host import Laps, upload, upload_into
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
@@ -74,6 +74,9 @@ class NativeThinker:
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
         self.overlapped = 0  # steps launched before the previous one's tokens were read
+        # The host's time by phase of its steps (schedule, inputs, plan, launch, queue, finish, rest; and its waits on
+        # the device), summed.
+        self.laps = Laps()
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         if compile:
@@ -192,9 +195,11 @@ class NativeThinker:
         `overlap`, a decode step is launched first and the previous step's tokens are read after: what this
         returns is the previous step's (and nothing, the first time)."""
         t0 = time.perf_counter()
+        self.laps.start()
         self.last_wait_s = 0.0
         launched_s = self.graphs.launch_s if self.graphs is not None else 0.0
         work = self.scheduler.schedule()
+        self.laps.lap("schedule")
         for w in work:  # a request's wait for its first step ends here
             w.seq.owner.started = w.seq.owner.started or t0
         if not work and self.pending is None:
@@ -212,6 +217,7 @@ class NativeThinker:
                 work = [w for w in work if not w.seq.owner.done]  # ended on the token just read: nothing to compute
             if work:
                 out += self._step(work)
+        self.laps.lap("rest")
         elapsed = time.perf_counter() - t0
         self.last_host_s = elapsed - self.last_wait_s  # the step's own work on the CPU, the device's wait excluded
         # Of which launching its graph (a wait inside the driver would show here, not in last_wait_s).
@@ -258,11 +264,13 @@ class NativeThinker:
         prev = self.pending
         pending_rows = prev.row_of if prev is not None else {}
         src = [pending_rows.get(id(w.seq), -1) for w in work]
-        host_ids = [w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)]
-        ids = upload(host_ids, self.device, torch.long)
-        if any(r >= 0 for r in src):
-            at = upload(src, self.device, torch.long)
-            ids = torch.where(at >= 0, prev.tokens[at.clamp_min(0)], ids)
+        if prev is not None and src == list(range(n)):  # every row's input is the pending step's token, in its order
+            ids = prev.tokens[:n]
+        else:
+            ids = upload([w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)], self.device, torch.long)
+            if any(r >= 0 for r in src):
+                at = upload(src, self.device, torch.long)
+                ids = torch.where(at >= 0, prev.tokens[at.clamp_min(0)], ids)
         if prev is not None and prev.planned is not None:
             # flashinfer plans through a pinned host buffer of its own: the pending step's copy out of it must have
             # run before this plan rewrites it (queued ahead of that step's kernels, it is done by now or nearly).
@@ -312,6 +320,7 @@ class NativeThinker:
             if not last:
                 w.seq.tokens.append(PLACEHOLDER)
         self.overlapped += prev is not None
+        self.laps.lap("queue")
         return _Pending(work, tokens, host, event, placeholders, {id(w.seq): i for i, w in enumerate(work)}, planned,
                         send, states)
 
@@ -322,7 +331,9 @@ class NativeThinker:
         if p.event is not None:
             p.event.synchronize()
         tokens = p.host.tolist()
-        self.last_wait_s += time.perf_counter() - t_wait
+        waited = time.perf_counter() - t_wait
+        self.last_wait_s += waited
+        self.laps.waited(waited)
         out = []
         for row, (w, token, placeholder) in enumerate(zip(p.work, tokens, p.placeholders)):
             seq: ThinkerSeq = w.seq.owner
@@ -338,6 +349,7 @@ class NativeThinker:
             # States on the device were copied before the event; on the host they are complete already (read after it).
             step.ready = p.event if step.embeds is not None and step.embeds.is_cuda else None
             out.append((seq, _accept(seq, step, token)))
+        self.laps.lap("finish")
         return out
 
     # -- one step ----------------------------------------------------------------------------------
@@ -362,10 +374,14 @@ class NativeThinker:
         params = [w.seq.owner.params for w in work]
         upload_into(self.decode_draw[0][:, :n], [[p.top_k for p in params], [p.seed & (2**63 - 1) for p in params], counters])
         upload_into(self.decode_draw[1][:, :n], [[p.temperature for p in params], [p.top_p for p in params]])
+        self.laps.lap("inputs")
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         if planned is not None:
             planned.record(torch.cuda.current_stream(self.device))
-        return self.graphs.replay(b)
+        self.laps.lap("plan")
+        out = self.graphs.replay(b)
+        self.laps.lap("launch")
+        return out
 
     def _graph_step(self, work: list[Work]):
         counters = [len(w.seq.owner.generated) for w in work]
@@ -433,9 +449,11 @@ class NativeThinker:
             generated = [len(s.generated) for s in owners]
             chosen = drawn if drawn is not None else sample_batch(logits, [s.params for s in owners], seen, generated,
                                                                   counters=generated)
+            self.laps.lap("queue")
             t_wait = time.perf_counter()
             tokens = chosen.tolist()  # the step's one wait on the device
             self.last_wait_s = time.perf_counter() - t_wait
+            self.laps.waited(self.last_wait_s)
             sampled = {id(w): t for (w, _), t in zip(ends, tokens)}
         out, row = [], 0
         for w in work:
@@ -454,7 +472,9 @@ class NativeThinker:
             row += w.n
             if step.token_ids or step.embeds is not None or step.token_embeds is not None:
                 out.append((seq, step))
-        return self._mark_ready(out)
+        out = self._mark_ready(out)
+        self.laps.lap("finish")
+        return out
 
     def _mark_ready(self, out: list[tuple[ThinkerSeq, ThinkerStep]]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
         """One event after the step's output tensors, for the steps that carry any (see ThinkerStep.ready)."""
