@@ -52,9 +52,9 @@ def bodies(stage: str, cfg) -> list:
         ids.copy_(torch.randint(0, engine.vocab, ids.shape, device=engine.device, generator=gen))
         pos.copy_(torch.arange(len(pos), device=engine.device) + 512)
         return engine, [("thinker decode", engine.decode_body, engine.device)]
-    engine.cp_hidden.normal_(generator=gen)
-    engine.cp_ints[0].random_(0, 2048, generator=gen)  # code 0 of every row
-    return engine, [("code predictor frame", engine._predict_body, engine.device)]
+    engine.predictor.hidden.normal_(generator=gen)
+    engine.predictor.ints[0].random_(0, 2048, generator=gen)  # code 0 of every row
+    return engine, [("code predictor frame", engine.predictor.body, engine.device)]
 
 
 def main(argv=None) -> None:

@@ -256,7 +256,7 @@ def predictor_logits(engine, hidden: torch.Tensor, code0: torch.Tensor) -> torch
     b, cp = len(code0), engine.talker.code_predictor
     x = torch.stack([hidden, engine.talker.get_input_embeddings()(code0)], dim=1).reshape(2 * b, -1)
     positions = torch.arange(2, device=x.device).repeat(b).float().expand(3, -1)
-    with torch.no_grad(), step_context(engine.cp_attention.at(b, 0, 2), engine.moe):
+    with torch.no_grad(), step_context(engine.predictor.attention.at(b, 0, 2), engine.moe):
         return cp.lm_head[0](cp.model(x, positions)[1::2]).float()
 
 

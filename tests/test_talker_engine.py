@@ -264,14 +264,14 @@ def test_a_predictor_frame_does_not_depend_on_padding_rows(tiny_model):
     vocab = engine.talker.get_input_embeddings().num_embeddings
 
     def frame(b: int):
-        engine.cp_ints.zero_()
-        engine.cp_floats.zero_()
-        engine.cp_hidden.zero_()
-        engine.cp_ints[:, :2] = torch.tensor([[3, vocab - 5], [50, 50], [5, 0], [3 * 16, 7 * 16]])
-        engine.cp_floats[:, :2] = torch.tensor([[0.9, 0.0], [0.8, 1.0]])
-        engine.cp_hidden[:2] = torch.randn(2, engine.cp_hidden.shape[1], generator=torch.Generator().manual_seed(1))
+        engine.predictor.ints.zero_()
+        engine.predictor.floats.zero_()
+        engine.predictor.hidden.zero_()
+        engine.predictor.ints[:, :2] = torch.tensor([[3, vocab - 5], [50, 50], [5, 0], [3 * 16, 7 * 16]])
+        engine.predictor.floats[:, :2] = torch.tensor([[0.9, 0.0], [0.8, 1.0]])
+        engine.predictor.hidden[:2] = torch.randn(2, engine.predictor.hidden.shape[1], generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            return engine._predict_body(b)
+            return engine.predictor.body(b)
 
     codes, embeds = frame(2)
     padded_codes, padded_embeds = frame(5)
@@ -343,7 +343,7 @@ def test_talker_and_predictor_logits_equal_transformers_on_the_same_weights(tiny
     engine = NativeTalker(tiny_model, max_seqs=8)
     hf = hf_talker_sharing(tiny_model, engine.talker, "cpu")
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(40, engine.cp_hidden.shape[1], generator=g)
+    x = torch.randn(40, engine.predictor.hidden.shape[1], generator=g)
     ours, ref = talker_logits(engine, x), hf_talker_logits(hf, x)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     vocab = engine.talker.get_input_embeddings().num_embeddings

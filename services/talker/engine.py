@@ -12,21 +12,21 @@ from dataclasses import dataclass, field
 import torch
 
 from services.llm import pieces, sampling
-from services.llm.attention import DenseAttention, SeqSlice, TorchAttention, pick_backend
+from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import fp8_layout, quantize_experts_
 from services.llm.host import scalar, upload, upload_into
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
-from services.llm.sampling import CANDIDATES, SamplingParams, sample_batch
+from services.llm.sampling import CANDIDATES, sample_batch
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
 from services.talker.model import TalkerModel
-from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep, mark, seconds_between
+from services.talker.predictor import GREEDY, PredictorFrames
+from services.talker.speech import SpeechEngine, TalkerSeq, TalkerStep, mark, seconds_between
 
-GREEDY = SamplingParams()
 PLACEHOLDER = -1  # a talker token (first code) not read back from the device: its value is never needed there
 
 
@@ -97,21 +97,10 @@ class NativeTalker(SpeechEngine):
             self.workspace = self.attention.workspace
         else:
             self.attention = TorchAttention(self.cache, text.head_dim ** -0.5)
-        # The code predictor: every request runs the same num_code_groups positions each frame, so its keys sit
-        # in a dense cache (a row per request) and one frame's 15 steps run as fixed shapes (or one graph).
-        shape = (cp.num_hidden_layers, max_seqs, self.groups, cp.num_key_value_heads, cp.head_dim)
-        self.cp_attention = DenseAttention(torch.zeros(shape, dtype=dtype, device=self.device),
-                                           torch.zeros(shape, dtype=dtype, device=self.device), cp.head_dim ** -0.5)
-        self.cp_hidden = torch.zeros(max_seqs, text.hidden_size, dtype=dtype, device=self.device)  # the talker's last state
-        self.cp_ints = torch.zeros(4, max_seqs, dtype=torch.long, device=self.device)  # code 0, top-k, seed, counter base
-        self.cp_floats = torch.zeros(2, max_seqs, device=self.device)  # temperature, top-p
-        self.cp_top_k = PREDICTOR_SAMPLING.top_k or cp.vocab_size  # the widest top-k a predictor row may use
-        # The predictor's rotary tables [G, D] for its positions 0..G-1, the same every frame: made once, not in
-        # each of its 15 steps (some ten small kernels a step).
-        with torch.no_grad():
-            self.cp_rope = self.talker.code_predictor.model.rope(
-                torch.arange(self.groups, device=self.device).float().expand(3, -1), dtype)
         self.moe = moe
+        # The code predictor's frame: one frame's 15 steps as fixed shapes (or one graph) for the whole batch.
+        self.predictor = PredictorFrames(self.talker, cp, text.hidden_size, self.groups, max_seqs, dtype, self.device,
+                                         moe, self.laps)
         self.states: dict[int, TalkerState] = {}
         # First codes each request has drawn, as a mask on the device: the repetition penalty needs no history from
         # the host, so a step can be sampled before the one before it is read.
@@ -134,11 +123,11 @@ class NativeTalker(SpeechEngine):
         # This step's frame inputs as _queue_inputs stacked them, and the row of each request's (by id of its
         # state): a captured step taking them takes that tensor, not each request's row joined again.
         self.queued: tuple[torch.Tensor, dict[int, int]] | None = None
-        self.cp_graphs = self.graphs = None
+        self.graphs = None
         if cuda_graph_max_batch and self.device.type == "cuda":  # the predictor is dense: no experts to capture
-            from services.llm.graphs import CapturedGraphs, ladder
+            from services.llm.graphs import ladder
             sizes = ladder(min(cuda_graph_max_batch, max_seqs))
-            self.cp_graphs = CapturedGraphs(sizes, self._predict_body, self.device)
+            self.predictor.capture(sizes)
             if self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
                 self._capture(sizes, blocks, text)
             if code2wav_graphs:
@@ -318,7 +307,7 @@ class NativeTalker(SpeechEngine):
         way to host memory. Each request that may go on keeps its frame's summed code embeddings for its next
         input (one whose frame turns out to be the end code is stopped when the codes are read)."""
         launched = mark(self.device)
-        codes, embeds = self._predict(seqs, code0, hidden)
+        codes, embeds = self.predictor.run(seqs, code0, hidden)
         sums = embeds.sum(1)
         host = codes
         if codes.is_cuda:  # the next replay overwrites the predictor's outputs: copied out before it
@@ -372,55 +361,6 @@ class NativeTalker(SpeechEngine):
                              counters=frames)
         self.seen[slots, code0] = self.drawn_mark
         return code0
-
-    def _predict(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes [B, G] of the frames of `seqs`, and their code embeddings [B, G, D]: first codes and talker
-        states (device tensors) and the requests' settings go into the predictor's fixed buffers, then one
-        frame runs (replayed from a graph where one is captured)."""
-        n = len(seqs)
-        graph = self.cp_graphs is not None and n <= self.cp_graphs.max_batch
-        b = self.cp_graphs.size_for(n) if graph else n
-        params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy
-        ints = torch.tensor([[p.top_k or self.cp_top_k for p in params], [p.seed & (2**63 - 1) for p in params],
-                             [(len(s.frames) + s.frames_unread) * self.groups for s in seqs] + [0] * (b - n)])  # frame index
-        upload_into(self.cp_ints[1:, :b], ints)
-        upload_into(self.cp_floats[:, :b], [[p.temperature for p in params], [p.top_p for p in params]])
-        self.cp_ints[0, :n] = code0
-        self.cp_hidden[:n] = hidden
-        if b > n:  # zeroed in place (a Python 0 assigned might be copied over from host memory first)
-            self.cp_ints[0, n:b].zero_()
-            self.cp_hidden[n:b].zero_()
-        self.laps.lap("inputs")
-        codes, embeds = self.cp_graphs.replay(b) if graph else self._predict_body(n)
-        self.laps.lap("launch")
-        return codes[:n], embeds[:n]
-
-    def _predict_body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One frame of the code predictor for the first `b` rows of its buffers: 15 steps, sampling included,
-        shapes fixed by `b` alone (what a graph records)."""
-        cp = self.talker.code_predictor
-        code0, top_k, seeds, base = self.cp_ints[:, :b]
-        temps, top_p = self.cp_floats[:, :b]
-        first = self.talker.get_input_embeddings()(code0)
-        x = torch.stack([self.cp_hidden[:b], first], dim=1).reshape(2 * b, -1)  # rows: hidden, code 0
-        cos, sin = self.cp_rope
-        rope = cos[:2].repeat(b, 1), sin[:2].repeat(b, 1)  # positions 0 and 1 for each request
-        codes, embeds, cached = [code0], [first], 0
-        draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
-        counters = base[:, None] + torch.arange(self.groups - 1, device=base.device)  # each group's, in one launch
-        for i in range(self.groups - 1):
-            n = 2 if i == 0 else 1
-            with step_context(self.cp_attention.at(b, cached, n), self.moe):
-                h = cp.model(x, rope=rope)
-            cached += n
-            # Seeded draws hashed from (seed, frame, group): no generator, no launch per request.
-            code = draw(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, counters[:, i], self.cp_top_k)
-            codes.append(code)
-            x = cp.model.codec_embedding[i](code)
-            embeds.append(x)
-            if i < self.groups - 2:
-                rope = cos[cached].expand(b, -1), sin[cached].expand(b, -1)  # every request at the same position
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)
 
     def _forward(self) -> "_Frames | None":
         """One talker forward over what the scheduler picks; requests that caught up get their next frame
