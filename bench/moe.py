@@ -60,7 +60,7 @@ def timed_shapes(shapes, chooser: str, backend: str, x, ids, w, module, iters: i
     return sorted(timed, key=lambda c: c.get("ms", float("inf")))
 
 
-def tile_sweep(n: int, x, ids, w, module, iters: int) -> tuple[list[dict], list[dict]]:
+def tile_sweep(n: int, x, ids, w, module, iters: int, wide: bool = False) -> tuple[list[dict], list[dict]]:
     """The decode kernels' tile shapes on a small grid at n tokens (bf16, fp8 per channel, or fp8 with e4m3
     activations), both kernels alike; then, from the fastest, the down kernel's own N tile, warps and stages
     (its reduction is 768 long where gate/up's is 2,048). Narrow N tiles are in it for the few tokens of small
@@ -71,6 +71,9 @@ def tile_sweep(n: int, x, ids, w, module, iters: int) -> tuple[list[dict], list[
     if fp8 and module.activations:  # e4m3 inputs are scaled per 128 channels: K tiles of 128; fp8 tiles are half
         # the bytes of bf16's, so wider N tiles and deeper pipelines fit the same shared memory
         shapes = [s for s in itertools.product((16, 32), (64, 128, 256), (128,), (4, 8), (3, 4)) if s[0] <= max(16, n)]
+    elif wide:  # K tiles of 256 for bf16 too (rows of 512 bytes a load, half the loop's turns), and 2-stage pipelines
+        shapes = [s for s in itertools.product((16, 32), (32, 64, 128), (128, 256), (4, 8), (2, 3, 4))
+                  if s[0] <= max(16, n) and (s[0] == 32 or n <= 16)]
     else:
         shapes = [s for s in itertools.product((16, 32), (16, 32, 64, 128), (128, 256) if fp8 else (128,), (4, 8), (3, 5))
                   if s[0] <= max(16, n)]
@@ -98,6 +101,8 @@ def main(argv=None):
     p.add_argument("--tiles", default="", help="token counts at which to time the Triton tile shapes (e.g. 1,32)")
     p.add_argument("--tile-ways", default="bf16,fp8,fp8a8", help="whose tiles --tiles times: bf16, fp8 (bf16 inputs), fp8a8")
     p.add_argument("--sorted-tiles", default="", help="token counts at which to time the sorted kernels' tiles (e.g. 512)")
+    p.add_argument("--wide-tiles", action="store_true",
+                   help="--tiles for bf16 and fp8 with bf16 inputs over K tiles of 128 and 256 and 2 to 4 stages (BLOCK_M 32 past 16 tokens)")
     p.add_argument("--eager", action="store_true", help="the grouped path's glue uncompiled (before session 9 it always was)")
     args = p.parse_args(argv)
     if not args.eager:
@@ -163,7 +168,7 @@ def main(argv=None):
             if n in tiles_at:
                 for way in args.tile_ways.split(","):
                     module = {"bf16": experts, "fp8": channel, "fp8a8": ways["fp8a8_triton"][0]}[way]
-                    shapes, downs = tile_sweep(n, x, ids, w, module, args.iters)
+                    shapes, downs = tile_sweep(n, x, ids, w, module, args.iters, args.wide_tiles)
                     cell[f"tiles_{way}"], cell[f"down_tiles_{way}"] = shapes[:6], downs[:6]
             if n in sorted_tiles_at:
                 cell["sorted_tiles_bf16"] = sorted_tile_sweep(n, x, ids, w, experts, args.iters)[:6]

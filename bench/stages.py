@@ -13,6 +13,7 @@ Each stage runs on its config replica's device unless --device says otherwise.
 """
 
 import argparse
+import json
 import shlex
 import statistics
 import sys
@@ -294,11 +295,29 @@ def parse_args(argv=None):
     p.add_argument("--clip-seconds", type=float, default=7.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="cells started after this are skipped")
+    p.add_argument("--moe-tiles", type=json.loads, default=None,
+                   help="the Triton experts' tile shape for steps of 17 to 64 tokens in place of triton_moe's, as JSON "
+                        "(a shape of bench.moe's tiles_* or down_tiles_* lists: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, "
+                        "num_stages, optionally down): an A/B before a shape goes into the code")
     return p.parse_args(argv)
+
+
+def use_moe_tiles(shape: dict) -> None:
+    """triton_moe's decode kernels take `shape` for steps of 17 to 64 tokens (--moe-tiles)."""
+    from services.llm import triton_moe
+
+    keys = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "down"}
+    if set(shape) - keys or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= set(shape):
+        raise SystemExit(f"--moe-tiles: a shape has {sorted(keys)} (the first three at least), not {sorted(shape)}")
+    default = triton_moe._tiles
+    triton_moe._tiles = lambda tokens, fp8=False, a8=False: dict(shape) if 16 < tokens <= 64 else default(tokens, fp8, a8)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.moe_tiles is not None:
+        args.moe_tiles = {k: v for k, v in args.moe_tiles.items() if k != "ms"}  # as bench.moe lists them, timed
+        use_moe_tiles(args.moe_tiles)
     cfg = load_config(args.config, args.set)
     if cfg.model.dir and not (cfg.model.dir / "config.json").exists():
         raise SystemExit(f"no model folder at {cfg.model.dir}: python -m services.model.build full {cfg.model.path}")

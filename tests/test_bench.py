@@ -239,6 +239,22 @@ def test_native_thinker_cells_split_the_hosts_step_by_phase(bench_dir):
     assert all(v >= 0 for v in split.values()) and sum(split.values()) <= decode["step_ms"] * 1.01, (split, decode["step_ms"])
 
 
+def test_moe_tiles_replace_the_decode_kernels_shape_between_17_and_64_tokens(monkeypatch):
+    """--moe-tiles: the given shape (a bench.moe list entry, its time dropped) for 17 to 64 tokens, the code's own
+    elsewhere; a shape with keys the kernels lack is refused."""
+    from services.llm import triton_moe
+
+    monkeypatch.setattr(triton_moe, "_tiles", triton_moe._tiles)  # put back after the test
+    shape = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2, "down": {"BLOCK_N": 128}}
+    default = triton_moe._tiles(8)
+    stages.use_moe_tiles(shape)
+    assert triton_moe._tiles(32) == shape and triton_moe._tiles(17) == shape and triton_moe._tiles(64, True, True) == shape
+    assert triton_moe._tiles(8) == default and triton_moe._tiles(16) == default and triton_moe._tiles(65)["BLOCK_K"] == 128
+    with pytest.raises(SystemExit, match="BLOCK_Q"):
+        stages.use_moe_tiles({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_Q": 1})
+    args = stages.parse_args(["--config", "x.yaml", "--out", "y.json", "--moe-tiles", json.dumps({**shape, "ms": 0.25})])
+    assert args.moe_tiles["ms"] == 0.25  # dropped by main() before use
+
 
 @pytest.mark.parametrize("stage", ["thinker", "talker", "thinker-prefill"])
 def test_step_profiles(bench_dir, stage, capsys):

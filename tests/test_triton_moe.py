@@ -92,6 +92,16 @@ try:
     out["down-tiles-refused"] = False
 except ValueError as e:
     out["down-tiles-refused"] = "BLOCK_K" in str(e)
+# K tiles of 256 (bench.moe --wide-tiles), two pipeline stages: the reduction of 256 in one turn of the loop.
+triton_moe._tiles = lambda *_: dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2)
+for t in (17, 33):
+    x = torch.randn(t, H).to(torch.bfloat16)
+    w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+    out[f"k256-bf16/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down),
+                                moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float()))
 triton_moe._tiles = default_tiles
 # Activations past fp16's range (the fp8 weights' dots are in fp16): saturated at 65,504, not inf.
 x = torch.randn(2, H).to(torch.bfloat16)
@@ -152,7 +162,7 @@ def test_triton_experts_equal_the_loop_over_experts():
     assert out.pop("down-tiles-refused") is True  # only the N tile, warps and stages are the down kernel's own
     same = out.pop("same")
     assert len(same) == 10 and all(same.values()), same  # fused_quant: equal outputs, fused or not
-    assert len(out) == 51 and len(routes) == 3
+    assert len(out) == 53 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out
     # e4m3 activations: each projection alone matches to float32 rounding, but a bf16 rounding of silu(gate) * up
