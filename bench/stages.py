@@ -310,7 +310,7 @@ def use_moe_tiles(shape: dict) -> None:
     if set(shape) - keys or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= set(shape):
         raise SystemExit(f"--moe-tiles: a shape has {sorted(keys)} (the first three at least), not {sorted(shape)}")
     default = triton_moe._tiles
-    triton_moe._tiles = lambda tokens, fp8=False, a8=False: dict(shape) if 16 < tokens <= 64 else default(tokens, fp8, a8)
+    triton_moe._tiles = lambda tokens, *rest: dict(shape) if 16 < tokens <= 64 else default(tokens, *rest)
 
 
 def main(argv=None) -> dict:

@@ -468,3 +468,26 @@ def test_grouped_experts_give_the_same_bits_every_run():
     (gq, gs), (dq, ds) = fp8.quantize(gate_up), fp8.quantize(down)  # per output channel
     runs = [fp8.grouped(x, ids, weights, gq, gs, dq, ds) for _ in range(5)]
     assert all(torch.equal(r, runs[0]) for r in runs[1:])
+
+
+def test_step_inputs_copies_land_what_was_filled_for_each_behind_a_busy_device():
+    """StepInputs' staging buffers, used in turn while the device runs far behind the host: every copy lands
+    what the host filled for that step (a buffer refilled before its copy ran would land a later step's)."""
+    from services.llm.host import StepInputs
+
+    dev = torch.device("cuda:0")
+    inputs = StepInputs(2, 1, 64, dev)
+    got = torch.zeros(2, 64, dtype=torch.long, device=dev)
+    want = torch.zeros(2, 64, dtype=torch.long)
+    busy = torch.randn(4096, 4096, device=dev)
+    for step in range(200):
+        if step % 40 == 0:
+            for _ in range(20):  # some 20 ms of work queued ahead of the copies
+                busy = busy @ busy / 64
+        ints, _ = inputs.fill()
+        ints[:] = torch.arange(128).view(2, 64).numpy() * (step + 1)
+        inputs.send()
+        got += inputs.ints  # queued after this step's copy, before the next one's
+        want += torch.arange(128).view(2, 64) * (step + 1)
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), want)

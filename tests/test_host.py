@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.llm.host import _from_lists, upload, upload_into
+from services.llm.host import StepInputs, _from_lists, upload, upload_into
 
 CASES = [([1, 2, 3], None), ([[1, 2], [3, 4]], torch.int32), ([1.5, 2.0], None), ([0.1, 0.7], torch.float32),
          ([True, False], None), ([], torch.int32), ([], None), ([[]], torch.long), ([2**62, -5], torch.long),
@@ -58,3 +58,24 @@ def test_laps_charge_each_phase_its_time_less_the_waits_inside_it(monkeypatch):
     assert laps.seconds == {"schedule": 1.0, "wait": 2.0, "launch": 1.0, "finish": 6.0}
     assert host.laps_per_step({"finish": 2.0}, laps.seconds, 2) == {"schedule": 500.0, "wait": 1000.0, "launch": 500.0,
                                                                     "finish": 2000.0}
+
+
+def test_step_inputs_send_both_kinds_of_rows_by_one_copy_from_staging_buffers_used_in_turn():
+    """What the host writes into fill()'s views lands in `ints` and `floats` with send(), whose device views keep
+    their addresses (a graph reads them); the two staging buffers alternate, each keeping what it last sent."""
+    inputs = StepInputs(3, 2, 4, torch.device("cpu"))
+    addresses = inputs.ints.data_ptr(), inputs.floats.data_ptr()
+    ints, floats = inputs.fill()
+    ints[:, :2] = [[1, 2], [3, 4], [2**63 - 1, -5]]
+    floats[0, :2] = [0.5, 1.25]
+    inputs.send()
+    assert inputs.ints[:, :2].tolist() == [[1, 2], [3, 4], [2**63 - 1, -5]] and inputs.floats[0, :2].tolist() == [0.5, 1.25]
+    other, _ = inputs.fill()
+    assert other is not ints and not other.any()  # the second buffer, never filled
+    other[0, :] = 7
+    inputs.send()
+    assert inputs.ints[0].tolist() == [7] * 4 and inputs.ints[1, :2].tolist() == [0, 0]  # all of it sent, not only a row
+    again, _ = inputs.fill()
+    assert again is ints and again[2, 0] == 2**63 - 1  # back to the first: what it last sent is still there
+    assert (inputs.ints.data_ptr(), inputs.floats.data_ptr()) == addresses
+    assert inputs.ints.dtype == torch.int64 and inputs.floats.dtype == torch.float32

@@ -92,15 +92,17 @@ try:
     out["down-tiles-refused"] = False
 except ValueError as e:
     out["down-tiles-refused"] = "BLOCK_K" in str(e)
-# K tiles of 256 (bench.moe --wide-tiles), two pipeline stages: the reduction of 256 in one turn of the loop.
-triton_moe._tiles = lambda *_: dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=2)
-for t in (17, 33):
+# K tiles of 256 (bench.moe --wide-tiles), two pipeline stages: the reduction of 256 in one turn of the loop; and the
+# bf16 shape the thinker's experts take at 17 to 32 tokens (N tiles of 128, three stages).
+for t, shape in ((17, dict(BLOCK_N=64, BLOCK_K=256, num_stages=2)), (33, dict(BLOCK_N=64, BLOCK_K=256, num_stages=2)),
+                 (20, default_tiles(32, False, False, 768))):
+    triton_moe._tiles = lambda *_, shape=shape: dict(dict(BLOCK_M=32, num_warps=4), **shape)
     x = torch.randn(t, H).to(torch.bfloat16)
     w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
     gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
     down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
-    out[f"k256-bf16/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down),
+    out[f"wide-bf16-{shape['BLOCK_N']}x{shape['BLOCK_K']}/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down),
                                 moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float()))
 triton_moe._tiles = default_tiles
 # Activations past fp16's range (the fp8 weights' dots are in fp16): saturated at 65,504, not inf.
@@ -162,7 +164,7 @@ def test_triton_experts_equal_the_loop_over_experts():
     assert out.pop("down-tiles-refused") is True  # only the N tile, warps and stages are the down kernel's own
     same = out.pop("same")
     assert len(same) == 10 and all(same.values()), same  # fused_quant: equal outputs, fused or not
-    assert len(out) == 53 and len(routes) == 3
+    assert len(out) == 54 and len(routes) == 3
     # bf16 output and bf16 silu(gate) * up between the projections against a float32 loop: bf16 rounding.
     assert all(v < 1e-2 for name, v in out.items() if "a8" not in name), out
     # e4m3 activations: each projection alone matches to float32 rounding, but a bf16 rounding of silu(gate) * up
@@ -201,6 +203,18 @@ def test_align_groups_routed_rows_by_expert_in_padded_blocks():
         groups = [e for e in block_expert.tolist() if e < experts]
         assert groups == sorted(groups) and set(groups) == set(flat.tolist())
         assert sum(-(-int((flat == e).sum()) // block) for e in range(experts)) == len(groups)
+
+
+def test_bf16_experts_as_wide_as_the_thinkers_take_n_tiles_of_128_at_17_to_32_tokens():
+    """The shape measured faster for the thinker's bf16 experts at 32 tokens; the talker's narrower experts, fp8
+    weights and other token counts keep theirs."""
+    from services.llm import triton_moe
+
+    wide = triton_moe._tiles(32, False, False, 768)
+    assert (wide["BLOCK_N"], wide["num_stages"]) == (128, 3) and triton_moe._tiles(17, False, False, 768) == wide
+    for other in ((32, False, False, 384), (32, True, False, 768), (48, False, False, 768), (16, False, False, 768)):
+        assert triton_moe._tiles(*other)["BLOCK_N"] == 64, other
+    assert triton_moe._tiles(32, True, True, 768)["BLOCK_M"] == 16  # e4m3 activations: their own shape
 
 
 def test_a_wrong_tile_size_is_refused():

@@ -292,13 +292,20 @@ if triton is not None:
 DOWN_KEYS = ("BLOCK_N", "num_warps", "num_stages")
 
 
-def _tiles(tokens: int, fp8: bool = False, a8: bool = False) -> dict:
+def _tiles(tokens: int, fp8: bool = False, a8: bool = False, intermediate: int = 0) -> dict:
     """The decode kernels' tile shape for a step of `tokens` tokens; `fp8`: fp8 weights, `a8`: e4m3 activations too
-    (their K tile must stay 128, the activations' scale groups)."""
+    (their K tile must stay 128, the activations' scale groups); `intermediate`: the experts' intermediate size."""
     if tokens <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     if a8 and tokens <= 64:  # bench/results/moe-1xh200-fp8a8-tiles-f29cb53.json: 0.161 ms a layer at 32, 0.192 with the next
         return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
+    if not fp8 and tokens <= 32 and intermediate >= 768:
+        # bf16 experts as wide as the thinker's (768): N tiles of 128 in three stages. At 32 tokens the layer's experts
+        # take 0.272 ms against 0.280 (the shape below; bench/results/moe-1xh200-bf16-wide-tiles-0698f37.json: no shape
+        # with K tiles of 256 among its six fastest), the thinker's decode at 32 runs 2,036 and 2,039 tok/s against
+        # 1,992 (thinker-1xh200-bf16-b32-*-0698f37.json). The talker's experts (384 wide, 3 such N tiles) keep the
+        # shape below: not measured with it.
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
     return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
@@ -341,7 +348,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
         raise ValueError(f"tile scales of {block} x {block}: the kernels read 128 x 128 tiles")
     if fp8_activations and (scale == SCALE_NONE or gate_up.dtype != torch.float8_e4m3fn):
         raise ValueError("fp8 activations need e4m3 expert weights with their scales")
-    cfg = dict(_tiles(t, scale != SCALE_NONE, fp8_activations))
+    cfg = dict(_tiles(t, scale != SCALE_NONE, fp8_activations, gate_up.shape[1] // 2))
     down_tiles = cfg.pop("down", {})
     if fp8_activations and cfg["BLOCK_K"] != 128:
         raise ValueError(f"fp8 activations are scaled per 128 channels: the kernels' K tile is {cfg['BLOCK_K']}")

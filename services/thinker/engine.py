@@ -9,7 +9,7 @@ import torch
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import Laps, upload, upload_into
+from services.llm.host import Laps, StepInputs, upload
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
@@ -125,21 +125,19 @@ class NativeThinker:
         from services.llm.graphs import CapturedGraphs, ladder
 
         sizes = ladder(max_batch)
-        self.decode_inputs = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)  # ids, positions
-        self.decode_draw = (torch.zeros(3, max_batch, dtype=torch.long, device=self.device),  # top-k, seed, counter
-                            torch.zeros(2, max_batch, device=self.device))  # temperature, top-p
+        # Each size's inputs, sent by one copy a step: ids, positions, top-k, seed, draw counter; temperature, top-p.
+        self.step_inputs = {b: StepInputs(5, 2, b, self.device) for b in sizes}
         # One attention per size (its page table buffers are the graph's), planned all padding for capture.
         self.decode_attention = {b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace, self.decode_tensor_cores,
                                                      split_kv(b, self.decode_split_kv_max_batch)).plan([]) for b in sizes}
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
 
         def body(b: int):
-            ids, pos = self.decode_inputs[0, :b], self.decode_inputs[1, :b]
+            (ids, pos, top_k, seeds, counters), (temps, top_p) = self.step_inputs[b].ints, self.step_inputs[b].floats
             with step_context(self.decode_attention[b], self.moe):
                 embeds = self.model.model.embed_tokens(ids)
                 hidden, captured = self.model(embeds, pos.float().expand(3, -1), capture_layer=self.accept_layer)
                 logits = self.model.lm_head(hidden)
-            (top_k, seeds, counters), (temps, top_p) = self.decode_draw[0][:, :b], self.decode_draw[1][:, :b]
             return embeds, captured, logits, draw(logits, temps, top_k, top_p, seeds, counters, CANDIDATES)
 
         self.decode_body = body  # what each decode graph records (bench.streams runs it on streams of its own)
@@ -365,15 +363,23 @@ class NativeThinker:
         accept-layer states, logits, tokens drawn), valid until the next replay."""
         n = len(work)
         b = self.graphs.size_for(n)
-        if isinstance(ids, torch.Tensor):
-            self.decode_inputs[0, :n] = ids
-        else:
-            upload_into(self.decode_inputs[0, :n], ids)
-        # Padding rows keep whatever they held: they only touch the scratch block, and their outputs are dropped.
-        upload_into(self.decode_inputs[1, :n], [w.start + w.seq.owner.rope_delta for w in work])
+        inputs = self.step_inputs[b]
+        ints, floats = inputs.fill()
+        # Padding rows keep what the buffer last held for them (settings and ids of earlier rows, or zeros): they
+        # only touch the scratch block, and their outputs are dropped.
+        device_ids = isinstance(ids, torch.Tensor)
+        if not device_ids:
+            ints[0, :n] = ids
         params = [w.seq.owner.params for w in work]
-        upload_into(self.decode_draw[0][:, :n], [[p.top_k for p in params], [p.seed & (2**63 - 1) for p in params], counters])
-        upload_into(self.decode_draw[1][:, :n], [[p.temperature for p in params], [p.top_p for p in params]])
+        ints[1, :n] = [w.start + w.seq.owner.rope_delta for w in work]
+        ints[2, :n] = [p.top_k for p in params]
+        ints[3, :n] = [p.seed & (2**63 - 1) for p in params]
+        ints[4, :n] = counters
+        floats[0, :n] = [p.temperature for p in params]
+        floats[1, :n] = [p.top_p for p in params]
+        inputs.send()
+        if device_ids:  # the pending step's tokens, copied on the device after the buffer's copy lands
+            inputs.ints[0, :n] = ids
         self.laps.lap("inputs")
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         if planned is not None:
