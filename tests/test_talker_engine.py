@@ -305,6 +305,23 @@ def test_a_steps_inputs_are_its_queued_rows_in_the_works_order(tiny_model):
     assert torch.equal(engine._step_inputs(work[:2]), queued[:2])
 
 
+def test_a_requests_frame_inputs_kept_as_their_steps_rows_read_back_as_its_own():
+    """A frame's input is kept as (the step's inputs, row) and (its positions, column): read back, the last as its
+    one row, and a recompute's reach into older ones joins the prompt's rows and every frame's, in order."""
+    from services.talker.engine import TalkerState
+
+    prompt, pos = torch.arange(6.0).view(3, 2), torch.arange(9.0).view(3, 3)
+    steps = [torch.arange(8.0).view(4, 2) + 100 * k for k in (1, 2)]  # two steps' inputs, 4 requests each
+    step_pos = [torch.arange(12.0).view(3, 4) + 100 * k for k in (1, 2)]
+    st = TalkerState(tokens=[0] * 5, inputs=[prompt, (steps[0], 2), (steps[1], 3)],
+                     positions=[pos, (step_pos[0], 2), (step_pos[1], 3)])
+    x, p = st.rows(4, 1)
+    assert x.tolist() == [[206.0, 207.0]] and p.tolist() == [[203.0], [207.0], [211.0]]
+    x, p = st.rows(1, 4)  # a recompute from row 1: everything joined once
+    assert x.tolist() == [[2.0, 3.0], [4.0, 5.0], [104.0, 105.0], [206.0, 207.0]]
+    assert p[:, 2:].tolist() == [[102.0, 203.0], [106.0, 207.0], [110.0, 211.0]] and len(st.inputs) == 1
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_request_preempted_between_frames_draws_no_frame_twice(tiny_model, cases, overlap):
     """A request whose last row is computed and its frame drawn, waiting for the text of its next input, is

@@ -45,18 +45,31 @@ def draw_first(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor, 
 @dataclass(eq=False)
 class TalkerState(SeqState):
     """Every input the talker took for the request, so a preempted request can be recomputed."""
-    inputs: list = field(default_factory=list)  # [n, D] per forward
-    positions: list = field(default_factory=list)  # [3, n] per forward
+    # Per forward: its rows [n, D] and positions [3, n] (the prompt's), or (a step's inputs [B, D], row) and (its
+    # positions [3, B], column) for a frame's one row: kept as the step's tensors and an index, not sliced out
+    # every step for every request (64 views a step at 32 requests), and taken out only where read.
+    inputs: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
     prompt_len: int = 0  # rows before the first frame's (their positions may differ across the three M-RoPE rows)
     slot: int = 0  # the request's row of the engine's `seen` codes
     drawn: int = 0  # rows after which a frame was drawn: a recompute (after preemption) reaching them draws none
 
     def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        base = len(self.tokens) - len(self.inputs[-1])
+        inputs, positions = _rows(self.inputs[-1]), _columns(self.positions[-1])
+        base = len(self.tokens) - len(inputs)
         if start < base:  # a chunk reaching into older inputs (a recompute): join them once
-            self.inputs, self.positions = [torch.cat(self.inputs)], [torch.cat(self.positions, dim=1)]
-            base = 0
-        return self.inputs[-1][start - base:start - base + n], self.positions[-1][:, start - base:start - base + n]
+            inputs = torch.cat([_rows(x) for x in self.inputs])
+            positions = torch.cat([_columns(p) for p in self.positions], dim=1)
+            self.inputs, self.positions, base = [inputs], [positions], 0
+        return inputs[start - base:start - base + n], positions[:, start - base:start - base + n]
+
+
+def _rows(x) -> torch.Tensor:
+    return x[0][x[1]:x[1] + 1] if isinstance(x, tuple) else x
+
+
+def _columns(p) -> torch.Tensor:
+    return p[0][:, p[1]:p[1] + 1] if isinstance(p, tuple) else p
 
 
 class NativeTalker(SpeechEngine):
@@ -295,8 +308,8 @@ class NativeTalker(SpeechEngine):
         positions = upload([len(st.tokens) + s.rope_delta for s, st in zip(seqs, states)], self.device,
                            torch.float32)[None].expand(3, -1)
         for j, (seq, state) in enumerate(zip(seqs, states)):
-            state.inputs.append(inputs[j:j + 1])
-            state.positions.append(positions[:, j:j + 1])
+            state.inputs.append((inputs, j))
+            state.positions.append((positions, j))
             state.tokens.append(PLACEHOLDER)
             seq.next_embed = None
         self.queued = inputs, {id(state): j for j, state in enumerate(states)}
