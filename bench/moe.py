@@ -5,7 +5,7 @@ past the decode kernels' token counts the sorted Triton kernels (moe: triton_sor
 with its weights converted to bf16 (`fp8_*`) or fp16 (`fp8_*_fp16`) for the dots (triton_moe.FP8_DOT). Time
 per call replayed as a CUDA graph (as decode runs it), the weight bandwidth it reached, and each output's
 difference from bf16 grouped; and up to the decode kernels' token count the router (logits, softmax, top-k):
-triton_moe.route against layers.route's torch ops. The torch parts are compiled as the engines compile them
+triton_route.route against layers.route's torch ops. The torch parts are compiled as the engines compile them
 (`--eager`: not, as every file before session 9 ran them). `--tiles` also times the Triton kernels' tile
 shapes at each token count, and `--sorted-tiles` the sorted kernels'.
 
@@ -21,7 +21,7 @@ import torch
 
 from bench import results
 from bench.graph_launch import capture
-from services.llm import layers, triton_moe
+from services.llm import layers, triton_moe, triton_route
 from services.llm.context import step_context
 from services.llm.fp8 import Fp8Experts
 from services.llm.layers import Experts, fuse
@@ -161,9 +161,9 @@ def main(argv=None):
                 cell[f"{name}_rel_l2"] = ((out - ref).norm() / ref.norm()).item()
             if n <= triton_moe.MAX_TOKENS:  # the router, as decode runs it
                 k = tc.num_experts_per_tok
-                cell["route_triton_ms"] = graph_ms(lambda: triton_moe.route(x, gate, k, tc.norm_topk_prob), args.iters)
+                cell["route_triton_ms"] = graph_ms(lambda: triton_route.route(x, gate, k, tc.norm_topk_prob), args.iters)
                 cell["route_torch_ms"] = graph_ms(lambda: layers.OPS["route"](x, gate, k, tc.norm_topk_prob), args.iters)
-                got, want = triton_moe.route(x, gate, k, tc.norm_topk_prob)[0], layers.route(x, gate, k, tc.norm_topk_prob)[0]
+                got, want = triton_route.route(x, gate, k, tc.norm_topk_prob)[0], layers.route(x, gate, k, tc.norm_topk_prob)[0]
                 cell["route_same_experts"] = (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean().item()
             if n in tiles_at:
                 for way in args.tile_ways.split(","):

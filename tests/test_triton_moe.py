@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 CHILD = r"""
 import json, sys
 import torch
-from services.llm import fp8, layers, moe, triton_moe
+from services.llm import fp8, layers, moe, triton_moe, triton_route
 
 torch.manual_seed(0)
 E, H, I, K = 8, 256, 256, 3  # the kernels' tiles: 64 channels by 128 of the reduction; two of them either way
@@ -136,7 +136,7 @@ out["quantize"] = {"q": torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)
 for t, k, norm in ((1, 8, True), (7, 6, False), (40, 8, True)):  # the thinker's top-8 and the talker's top-6
     x = torch.randn(t, H).to(torch.bfloat16)
     gate = (torch.randn(128, H) * 0.05).to(torch.bfloat16)
-    ids, w = triton_moe.route(x, gate, k, norm)
+    ids, w = triton_route.route(x, gate, k, norm)
     ref_ids, ref_w = layers.route(x, gate, k, norm)
     probs = torch.nn.functional.linear(x.float(), gate.float()).softmax(-1)
     kth = probs.topk(k).values[:, -1:]

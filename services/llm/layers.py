@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.llm import triton_moe
+from services.llm import triton_moe, triton_route
 from services.llm.context import get_context
 from services.llm.moe import TRITON, moe_experts
 
@@ -230,7 +230,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output, plus `residual` when given (the routed experts' kernels add it for free)."""
         if get_context().moe_backend in TRITON and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
-            ids, weights = triton_moe.route(x, self.gate.weight, self.top_k, self.norm_topk)  # two kernels, not five
+            ids, weights = triton_route.route(x, self.gate.weight, self.top_k, self.norm_topk)  # two kernels, not five
         else:
             ids, weights = OPS["route"](x, self.gate.weight, self.top_k, self.norm_topk)
         if not hasattr(self, "shared_expert"):
