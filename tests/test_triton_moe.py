@@ -24,6 +24,14 @@ E, H, I, K = 8, 256, 256, 3  # the kernels' tiles: 64 channels by 128 of the red
 out, same = {}, {}
 
 
+def bf16_case(t):
+    # t tokens' inputs, distinct experts per token with their renormalised weights, bf16 experts' weights
+    x = torch.randn(t, H).to(torch.bfloat16)
+    w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    return x, ids, w, (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16), (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+
+
 def a8_loop(x, ids, w, gate_up, down):
     # The loop over experts with each projection's input quantised to e4m3 per row and 128 channels, and
     # silu(gate) * up rounded to x's dtype between them, as the kernels store it.
@@ -76,11 +84,7 @@ default_tiles = triton_moe._tiles
 triton_moe._tiles = lambda *_: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2,
                                     down=dict(BLOCK_N=128, num_warps=2, num_stages=3))
 for t in (2, 17):
-    x = torch.randn(t, H).to(torch.bfloat16)
-    w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
-    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
-    down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+    x, ids, w, gate_up, down = bf16_case(t)
     out[f"down-tiles-bf16/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down),
                                       moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float()))
     (gq, gs), (dq, ds) = fp8.quantize(gate_up, 128), fp8.quantize(down, 128)
@@ -97,11 +101,7 @@ except ValueError as e:
 for t, shape in ((17, dict(BLOCK_N=64, BLOCK_K=256, num_stages=2)), (33, dict(BLOCK_N=64, BLOCK_K=256, num_stages=2)),
                  (20, default_tiles(32, False, False, 768))):
     triton_moe._tiles = lambda *_, shape=shape: dict(dict(BLOCK_M=32, num_warps=4), **shape)
-    x = torch.randn(t, H).to(torch.bfloat16)
-    w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
-    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
-    down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+    x, ids, w, gate_up, down = bf16_case(t)
     out[f"wide-bf16-{shape['BLOCK_N']}x{shape['BLOCK_K']}/{t}"] = rel(triton_moe.experts(x, ids, w, gate_up, down),
                                 moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float()))
 triton_moe._tiles = default_tiles
@@ -115,11 +115,7 @@ gate_up, down = (torch.randn(E, 2 * I, H) * 1e-4).to(torch.bfloat16), (torch.ran
 ref = moe.loop(x.float().clamp(-65504, 65504), ids, w.float(), fp8.dequantize(gq, gs, None), fp8.dequantize(dq, ds, None))
 out["fp8-channel-fp16dot-saturated/2"] = rel(triton_moe.experts(x, ids, w, gq, dq, gs, ds), ref)
 for t in (5, 40, 70):  # the sorted kernels (a prefill's): under one block of rows, over it, past MAX_TOKENS' share
-    x = torch.randn(t, H).to(torch.bfloat16)
-    w, ids = torch.topk(torch.randn(t, E).softmax(-1), K)
-    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    gate_up = (torch.randn(E, 2 * I, H) * 0.05).to(torch.bfloat16)
-    down = (torch.randn(E, H, I) * 0.05).to(torch.bfloat16)
+    x, ids, w, gate_up, down = bf16_case(t)
     rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
     ref = moe.loop(x.float(), ids, w.float(), gate_up.float(), down.float())
     residual = torch.randn(t, H).to(torch.bfloat16)
