@@ -1,5 +1,6 @@
 """Host values for the device (services.llm.host): lists converted through numpy give what torch.tensor gives."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,11 @@ def test_uploads_on_the_cpu():
     assert dst.tolist() == [[1, 2, 3], [4, 5, 6]]
     assert upload([0.5, 1.5], torch.device("cpu")).dtype == torch.get_default_dtype()
     assert upload(torch.arange(3), torch.device("cpu"), torch.int32).dtype == torch.int32
+    # a transposed numpy view (code2wav's codes, rows x frames x groups, sent as rows x groups x frames)
+    codes = [[[10 * f + g for g in range(2)] for f in range(3)] for _ in range(2)]
+    dst = torch.zeros(2, 2, 3, dtype=torch.long)
+    upload_into(dst, np.asarray(codes, dtype=np.int64).transpose(0, 2, 1))
+    assert torch.equal(dst, torch.tensor(codes).transpose(1, 2))
 
 
 def test_the_host_lists_benchmark_measures_both_ways(tmp_path):

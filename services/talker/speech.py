@@ -211,7 +211,9 @@ class SpeechEngine:
         else:
             buf, graphs, start = captured
             b = graphs.size_for(n)
-            upload_into(buf[:n], torch.tensor(codes).transpose(1, 2).contiguous())
+            # Through numpy, not torch.tensor(): 32 rows of 50 frames (25,600 codes) took 3.1 against 0.5 ms of the
+            # host's step on the development machine, at every chunk.
+            upload_into(buf[:n], np.asarray(codes, dtype=np.int64).transpose(0, 2, 1))
             if b > n:
                 buf[n:b].zero_()
             wav = graphs.replay(b)[:n]
