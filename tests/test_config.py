@@ -97,6 +97,16 @@ def test_unsplit_decode_attention_needs_the_tensor_core_kernels(tmp_path):
     assert load_config(write(tmp_path, c)).talker.native_args["decode_split_kv_max_batch"] == 16
 
 
+def test_direct_decode_plans_need_the_tensor_core_kernels(tmp_path):
+    c = base()
+    c["thinker"] = {**c["thinker"], "decode_direct_plan": True, "decode_tensor_cores": False}
+    with pytest.raises(ConfigError, match="thinker.decode_direct_plan .* needs thinker.decode_tensor_cores"):
+        load_config(write(tmp_path, c))
+    c["thinker"]["decode_tensor_cores"] = True
+    assert load_config(write(tmp_path, c)).thinker.native_args["decode_direct_plan"] is True
+    assert load_config(write(tmp_path, base())).talker.native_args["decode_direct_plan"] is False  # off until measured
+
+
 def test_encoder_graphs_need_varlen_attention(tmp_path):
     c = base()
     c["encoder"].update(graphs=True, attention="sdpa")

@@ -13,10 +13,13 @@ import numpy as np
 import torch
 
 from services.llm.attention import SeqSlice, kv_slots, write_kv
-from services.llm.host import pinned, upload, upload_into
+from services.llm.host import Staging, pinned, upload, upload_into
 from services.llm.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
+# The flashinfer whose wrapper's plan DecodeAttention's direct plan stands in for (its module's arguments as that
+# version passes them); any other version plans through the wrapper.
+DIRECT_PLAN_VERSION = "0.6.13"
 
 
 def _page_table(slices: list[SeqSlice], block_size: int):
@@ -146,7 +149,7 @@ class DecodeAttention(_Writer):
     the batch alone fills the GPU, a long serial CTA where it does not."""
 
     def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor,
-                 tensor_cores: bool = True, split_kv: bool = True):
+                 tensor_cores: bool = True, split_kv: bool = True, direct_plan: bool = False):
         if not (split_kv or tensor_cores):
             raise ValueError("only flashinfer's tensor-core decode can be planned without splitting the keys")
         import flashinfer
@@ -155,15 +158,19 @@ class DecodeAttention(_Writer):
         super().__init__(cache)
         self.scale, self.heads, self.batch, self.scratch, self.split_kv = scale, heads, batch, scratch_block, split_kv
         dev = cache.k.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.indptr = torch.zeros(batch + 1, **i32)
-        self.indices = torch.zeros(cache.k.shape[1], **i32)
-        self.last = torch.zeros(batch, **i32)
+        # The page table's three arrays side by side in one buffer (indptr, last pages' lengths, page ids), so a
+        # direct plan sends them by one copy (Staging); flashinfer's own plan fills them one by one.
+        self.table = Staging(4 * (2 * batch + 1 + cache.k.shape[1]), dev)
+        table = self.table.raw.view(torch.int32)
+        self.indptr, self.last, self.indices = table[:batch + 1], table[batch + 1:2 * batch + 1], table[2 * batch + 1:]
         self.slot_mapping = torch.zeros(batch, dtype=torch.long, device=dev)
         self.pages = DecodePages()
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=self.indptr,
             paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
+        self.direct_plan = direct_plan and tensor_cores and getattr(flashinfer, "__version__", "") == DIRECT_PLAN_VERSION
+        self._planned_once = False
+        self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
 
     def plan(self, slices: list[SeqSlice]) -> "DecodeAttention":
         """Page table and slots for `slices` (at most `batch`, one token each), padded to `batch`."""
@@ -171,6 +178,9 @@ class DecodeAttention(_Writer):
         indptr, indices, last = self.pages(slices, bs, self.batch, self.scratch)
         slots = _slots(slices, bs) + [self.scratch * bs] * (self.batch - len(slices))
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
+        if self._planned_once and self._direct(indptr, indices, last, kv_heads, head_dim, bs):
+            upload_into(self.slot_mapping, slots)
+            return self
         # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
         # copy them with a blocking copy (a second device sync in the step). The page pointers and last
         # pages' lengths, which it reads on the host too, go in pinned memory: copied from pageable memory
@@ -181,8 +191,33 @@ class DecodeAttention(_Writer):
                           self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
                           kv_data_type=self.cache.k.dtype, sm_scale=self.scale,
                           **({} if self.split_kv else {"disable_split_kv": True}))
+        self._planned_once = True
         upload_into(self.slot_mapping, slots)
         return self
+
+    def _direct(self, indptr: list[int], indices: np.ndarray, last: list[int], kv_heads: int, head_dim: int,
+                bs: int) -> bool:
+        """The plan without flashinfer's wrapper (`direct_plan`, flashinfer DIRECT_PLAN_VERSION's fa2 tensor-core
+        path, after one plan through the wrapper has chosen its module): the page table sent by one copy, and the
+        module's plan called with the arguments the wrapper's plan gives it, its checks, conversions and three
+        copies skipped. False where it does not apply (the wrapper's plan then runs)."""
+        w = self.wrapper
+        if not (self.direct_plan and w._backend == "fa2" and w._jit_module is None and w.is_cuda_graph_enabled):
+            return False
+        b, n = self.batch, len(indices)
+        words = self.table.fill().view(np.int32)
+        words[:b + 1], words[b + 1:2 * b + 1], words[2 * b + 1:2 * b + 1 + n] = indptr, last, indices
+        self.table.send(4 * (2 * b + 1 + n))
+        pages = np.diff(words[:b + 1])
+        kv_lens = torch.from_numpy(((pages - 1) * bs + words[b + 1:2 * b + 1]).astype(np.int32))
+        # As BatchDecodeWithPagedKVCacheWrapper.plan (0.6.13) calls it for fa2 on tensor cores: total rows and
+        # batch (one query row each), heads, page size, CUDA-graph mode, head dims, not causal, no window, no fixed
+        # split, whether to split the keys, no co-located CTAs.
+        w._plan_info = w._cached_module.plan(
+            w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer, self._qo_indptr,
+            torch.from_numpy(words[:b + 1]), kv_lens, b, b, self.heads, kv_heads, bs, True, head_dim, head_dim, False,
+            -1, -1, not self.split_kv, 0)
+        return True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
         return self.wrapper.run(q, self.write(layer, k, v, written))

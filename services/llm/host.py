@@ -94,40 +94,62 @@ def laps_per_step(before: dict[str, float], after: dict[str, float], steps: int)
     return {k: round(1000 * (v - before.get(k, 0.0)) / max(steps, 1), 4) for k, v in after.items()}
 
 
-class StepInputs:
-    """A captured step's values from the host in one device buffer, sent by one copy a step: `ints` [I, width]
-    int64 and `floats` [F, width] float32, views whose addresses never change (the graph reads them). Sent row by
-    row, a step's five to seven kinds of values took as many copies, each through a pinned buffer of its own
-    and, into a view narrower than its rows, a device kernel too.
+class Staging:
+    """A device buffer the host fills by one copy a step (`nbytes` bytes, its address fixed: graphs read it),
+    through pinned staging buffers, two of them in turn: one is filled while the other's copy may still be queued
+    behind the step the device is running, and each is waited for (its copy's event) before it is filled again."""
 
-    The host writes into a pinned staging buffer (`fill()` hands out numpy views of it, still holding what was
-    last sent from it), two of them in turn: one is filled while the other's copy may still be queued behind the
-    step the device is running, and each is waited for (its copy's event) before it is filled again."""
-
-    def __init__(self, ints: int, floats: int, width: int, device: torch.device):
-        int_bytes = 8 * ints * width
-        self.raw = torch.zeros(int_bytes + 4 * floats * width, dtype=torch.uint8, device=device)
-        self.ints = self.raw[:int_bytes].view(torch.int64).view(ints, width)
-        self.floats = self.raw[int_bytes:].view(torch.float32).view(floats, width)
+    def __init__(self, nbytes: int, device: torch.device):
+        self.raw = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         cuda = self.raw.is_cuda
-        self._staging = [torch.zeros(self.raw.shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
-        self._views = [(s.numpy()[:int_bytes].view(np.int64).reshape(ints, width),
-                        s.numpy()[int_bytes:].view(np.float32).reshape(floats, width)) for s in self._staging]
+        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        self._bytes = [s.numpy() for s in self._staging]
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._pending = [False, False]  # a copy from this staging buffer was queued and not yet seen done
-        self._turn = 0
+        self.turn = 0  # which staging buffer fill() and send() take next
+
+    @property
+    def buffers(self) -> list[np.ndarray]:
+        """Both staging buffers' bytes (numpy views of pinned memory), for views of one's own over them."""
+        return self._bytes
+
+    def fill(self) -> np.ndarray:
+        """The bytes `send()` copies next (a numpy view of the pinned buffer, holding what it last sent), its
+        last copy waited for (done long ago in a decode loop: the step after it was read)."""
+        if self._pending[self.turn]:
+            self._copied[self.turn].synchronize()
+            self._pending[self.turn] = False
+        return self._bytes[self.turn]
+
+    def send(self, nbytes: int | None = None) -> None:
+        """Queues the copy of the first `nbytes` (all) of the buffer last filled, without waiting."""
+        n = len(self.raw) if nbytes is None else nbytes
+        self.raw[:n].copy_(self._staging[self.turn][:n], non_blocking=True)
+        if self.raw.is_cuda:
+            self._copied[self.turn].record(torch.cuda.current_stream(self.raw.device))
+            self._pending[self.turn] = True
+        self.turn ^= 1
+
+
+class StepInputs:
+    """A captured step's values from the host in one device buffer, sent by one copy a step (Staging): `ints`
+    [I, width] int64 and `floats` [F, width] float32, views whose addresses never change. Sent row by row, a
+    step's five to seven kinds of values took as many copies, each through a pinned buffer of its own and, into a
+    view narrower than its rows, a device kernel too. `fill()` hands out numpy views of the staging buffer to send
+    next, still holding what was last sent from it."""
+
+    def __init__(self, ints: int, floats: int, width: int, device: torch.device):
+        self._split = 8 * ints * width
+        self.staging = Staging(self._split + 4 * floats * width, device)
+        raw = self.staging.raw
+        self.ints = raw[:self._split].view(torch.int64).view(ints, width)
+        self.floats = raw[self._split:].view(torch.float32).view(floats, width)
+        self._views = [(b[:self._split].view(np.int64).reshape(ints, width),
+                        b[self._split:].view(np.float32).reshape(floats, width)) for b in self.staging.buffers]
 
     def fill(self) -> tuple[np.ndarray, np.ndarray]:
-        """The staging buffer `send()` copies next, as (ints, floats) numpy views; its last copy waited for."""
-        if self._pending[self._turn]:
-            self._copied[self._turn].synchronize()  # done long ago in a decode loop: the step after it was read
-            self._pending[self._turn] = False
-        return self._views[self._turn]
+        self.staging.fill()
+        return self._views[self.staging.turn]
 
     def send(self) -> None:
-        """Queues the copy of the staging buffer last filled into `ints` and `floats`, without waiting."""
-        self.raw.copy_(self._staging[self._turn], non_blocking=True)
-        if self.raw.is_cuda:
-            self._copied[self._turn].record(torch.cuda.current_stream(self.raw.device))
-            self._pending[self._turn] = True
-        self._turn ^= 1
+        self.staging.send()

@@ -68,7 +68,7 @@ class NativeThinker:
                  fp8_fused_quant: bool = False,
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
-                 decode_split_kv_max_batch: int = -1):
+                 decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
@@ -79,6 +79,7 @@ class NativeThinker:
         self.laps = Laps()
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
+        self.decode_direct_plan = decode_direct_plan  # decode graphs' attention planned past flashinfer's wrapper
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -129,7 +130,8 @@ class NativeThinker:
         self.step_inputs = {b: StepInputs(5, 2, b, self.device) for b in sizes}
         # One attention per size (its page table buffers are the graph's), planned all padding for capture.
         self.decode_attention = {b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace, self.decode_tensor_cores,
-                                                     split_kv(b, self.decode_split_kv_max_batch)).plan([]) for b in sizes}
+                                                     split_kv(b, self.decode_split_kv_max_batch),
+                                                     self.decode_direct_plan).plan([]) for b in sizes}
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
 
         def body(b: int):
