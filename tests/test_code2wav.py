@@ -111,7 +111,9 @@ for bias_on in (False, True):
         snake_rows(a, alpha, inv_beta, buf[:, 3:], bias=bias if bias_on else None, residual=residual if res_on else None,
                    y=y if res_on else None)
         want_y = a + (bias if bias_on else 0) + (residual if res_on else 0)
-        want_z = want_y + inv_beta * torch.sin(want_y * alpha) ** 2
+        # in float64: in float32 this reference itself (torch's vectorised CPU ops) came out 4.5e-4 off at one
+        # element in some runs (with some PYTHONHASHSEEDs), the kernel's output the same in all of them
+        want_z = (want_y.double() + inv_beta.double() * torch.sin(want_y.double() * alpha.double()) ** 2).float()
         out[f"bias={bias_on},residual={res_on}"] = {
             "z": (buf[:, 3:] - want_z).abs().max().item(), "pad": bool((buf[:, :3] == 7).all()),
             "y": (y - want_y).abs().max().item() if res_on else 0.0}
