@@ -303,10 +303,13 @@ def parse_args(argv=None):
 
 
 def use_moe_tiles(shape: dict) -> None:
-    """triton_moe's decode kernels take `shape` for steps of 17 to 64 tokens (--moe-tiles)."""
+    """triton_moe's decode kernels take `shape` for steps of 17 to 64 tokens (--moe-tiles; a bench.moe list
+    entry's time, `ms`, dropped)."""
+    from bench.moe import TILE_KEYS
     from services.llm import triton_moe
 
-    keys = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "down"}
+    shape = {k: v for k, v in shape.items() if k != "ms"}
+    keys = {*TILE_KEYS, "down"}
     if set(shape) - keys or not {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= set(shape):
         raise SystemExit(f"--moe-tiles: a shape has {sorted(keys)} (the first three at least), not {sorted(shape)}")
     default = triton_moe._tiles
@@ -316,7 +319,6 @@ def use_moe_tiles(shape: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.moe_tiles is not None:
-        args.moe_tiles = {k: v for k, v in args.moe_tiles.items() if k != "ms"}  # as bench.moe lists them, timed
         use_moe_tiles(args.moe_tiles)
     cfg = load_config(args.config, args.set)
     if cfg.model.dir and not (cfg.model.dir / "config.json").exists():

@@ -88,7 +88,9 @@ def test_moe_tiles_replace_the_decode_kernels_shape_between_17_and_64_tokens(mon
     with pytest.raises(SystemExit, match="BLOCK_Q"):
         stages.use_moe_tiles({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_Q": 1})
     args = stages.parse_args(["--config", "x.yaml", "--out", "y.json", "--moe-tiles", json.dumps({**shape, "ms": 0.25})])
-    assert args.moe_tiles["ms"] == 0.25  # dropped by main() before use
+    assert args.moe_tiles["ms"] == 0.25  # dropped by use_moe_tiles
+    stages.use_moe_tiles(args.moe_tiles)
+    assert triton_moe._tiles(32) == shape
 
 
 @pytest.mark.parametrize("stage", ["thinker", "talker", "thinker-prefill"])

@@ -209,7 +209,7 @@ class DecodeAttention(_Writer):
         words[:b + 1], words[b + 1:2 * b + 1], words[2 * b + 1:2 * b + 1 + n] = indptr, last, indices
         self.table.send(4 * (2 * b + 1 + n))
         pages = np.diff(words[:b + 1])
-        kv_lens = torch.from_numpy(((pages - 1) * bs + words[b + 1:2 * b + 1]).astype(np.int32))
+        kv_lens = torch.from_numpy(((pages - 1) * bs + words[b + 1:2 * b + 1]).astype(np.int32, copy=False))
         # As BatchDecodeWithPagedKVCacheWrapper.plan (0.6.13) calls it for fa2 on tensor cores: total rows and
         # batch (one query row each), heads, page size, CUDA-graph mode, head dims, not causal, no window, no fixed
         # split, whether to split the keys, no co-located CTAs.

@@ -103,15 +103,10 @@ class Staging:
         self.raw = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         cuda = self.raw.is_cuda
         self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
-        self._bytes = [s.numpy() for s in self._staging]
+        self.buffers = [s.numpy() for s in self._staging]  # their bytes, for views of a caller's own over them
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._pending = [False, False]  # a copy from this staging buffer was queued and not yet seen done
         self.turn = 0  # which staging buffer fill() and send() take next
-
-    @property
-    def buffers(self) -> list[np.ndarray]:
-        """Both staging buffers' bytes (numpy views of pinned memory), for views of one's own over them."""
-        return self._bytes
 
     def fill(self) -> np.ndarray:
         """The bytes `send()` copies next (a numpy view of the pinned buffer, holding what it last sent), its
@@ -119,7 +114,7 @@ class Staging:
         if self._pending[self.turn]:
             self._copied[self.turn].synchronize()
             self._pending[self.turn] = False
-        return self._bytes[self.turn]
+        return self.buffers[self.turn]
 
     def send(self, nbytes: int | None = None) -> None:
         """Queues the copy of the first `nbytes` (all) of the buffer last filled, without waiting."""
