@@ -97,14 +97,15 @@ def test_unsplit_decode_attention_needs_the_tensor_core_kernels(tmp_path):
     assert load_config(write(tmp_path, c)).talker.native_args["decode_split_kv_max_batch"] == 16
 
 
-def test_direct_decode_plans_need_the_tensor_core_kernels(tmp_path):
+def test_direct_decode_plans_are_the_thinkers_default_and_only_for_the_tensor_core_kernels(tmp_path):
+    cfg = load_config(write(tmp_path, base()))
+    assert cfg.thinker.native_args["decode_direct_plan"] is True
+    assert cfg.talker.native_args["decode_direct_plan"] is False  # off until measured
     c = base()
-    c["thinker"] = {**c["thinker"], "decode_direct_plan": True, "decode_tensor_cores": False}
-    with pytest.raises(ConfigError, match="thinker.decode_direct_plan .* needs thinker.decode_tensor_cores"):
-        load_config(write(tmp_path, c))
-    c["thinker"]["decode_tensor_cores"] = True
-    assert load_config(write(tmp_path, c)).thinker.native_args["decode_direct_plan"] is True
-    assert load_config(write(tmp_path, base())).talker.native_args["decode_direct_plan"] is False  # off until measured
+    c["thinker"] = {**c["thinker"], "decode_tensor_cores": False}  # the CUDA-core kernel plans through the wrapper
+    assert load_config(write(tmp_path, c)).thinker.native_args["decode_direct_plan"] is False
+    c["talker"] = {**c.get("talker", {}), "decode_direct_plan": True}
+    assert load_config(write(tmp_path, c)).talker.native_args["decode_direct_plan"] is True
 
 
 def test_encoder_graphs_need_varlen_attention(tmp_path):

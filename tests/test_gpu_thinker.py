@@ -234,6 +234,18 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     assert again == plain, "two plain runs differ: the engine does not repeat itself bit for bit"
     assert engine.overlapped - overlapped_before >= 40 and engine.pending is None
     assert overlapped == plain
+    # Again with the decode attention planned directly (decode_direct_plan): the same plans, the same tokens; and
+    # steps of the last one's rows advanced its page table, not rebuilt
+    advanced = sum(a.advanced for a in engine.decode_attention.values())
+    for a in engine.decode_attention.values():
+        a.direct_plan = True
+    try:
+        direct = run(True)
+    finally:
+        for a in engine.decode_attention.values():
+            a.direct_plan = False
+    assert direct == plain
+    assert sum(a.advanced for a in engine.decode_attention.values()) - advanced >= 20
 
 
 def test_overlapped_decode_steps_never_wait_on_a_blocking_copy(pair):

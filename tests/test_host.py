@@ -85,3 +85,22 @@ def test_step_inputs_send_both_kinds_of_rows_by_one_copy_from_staging_buffers_us
     assert again is ints and again[2, 0] == 2**63 - 1  # back to the first: what it last sent is still there
     assert (inputs.ints.data_ptr(), inputs.floats.data_ptr()) == addresses
     assert inputs.ints.dtype == torch.int64 and inputs.floats.dtype == torch.float32
+
+
+def test_step_inputs_carry_another_users_bytes_in_the_same_copy_sending_only_what_was_filled():
+    """The extra bytes after the rows (a decode attention's slots and page table) start 8-aligned and go by the rows'
+    copy; send(nbytes) stops there, leaving the device's bytes past it as they were (what flashinfer's own plan
+    copied in)."""
+    inputs = StepInputs(1, 1, 3, torch.device("cpu"), extra=32)  # 24 + 12 bytes of rows: the extra ones at 40
+    assert inputs.extra_offset == 40 and len(inputs.staging.raw) == 72
+    inputs.staging.raw[56:].fill_(9)  # written on the device by someone else
+    ints, floats = inputs.fill()
+    ints[0] = [1, 2, 3]
+    floats[0] = [0.5, 0.25, 2.0]
+    buf = inputs.staging.buffers[inputs.staging.turn]
+    buf[40:56].view(np.int64)[:] = [11, 12]
+    buf[56:] = 5
+    inputs.send(56)
+    assert inputs.ints.tolist() == [[1, 2, 3]] and inputs.floats.tolist() == [[0.5, 0.25, 2.0]]
+    assert inputs.staging.raw[40:56].view(torch.int64).tolist() == [11, 12]
+    assert inputs.staging.raw[56:].tolist() == [9] * 16

@@ -88,8 +88,9 @@ def test_dense_attention_shares_kv_heads_and_masks_like_plain_softmax():
 
 def test_decode_page_tables_follow_their_growing_and_replaced_block_tables():
     """flashinfer's decode plan: the page table DecodePages makes (each sequence's blocks kept as an array until
-    its table grows or is replaced) equals the one built from the lists every step, padding rows included, over
-    steps whose sequences grow by a block, are replaced by new tables (preempted), leave and come back."""
+    its table grows or is replaced) and its new tokens' slots equal those built from the lists every step, padding
+    rows included, over steps whose sequences grow by a block, are replaced by new tables (preempted), leave and
+    come back."""
     import random
 
     import numpy as np
@@ -103,12 +104,13 @@ def test_decode_page_tables_follow_their_growing_and_replaced_block_tables():
     for step in range(60):
         live = sorted(rng.sample(sorted(tables), rng.randint(0, 6)))
         slices = [SeqSlice(tables[i], lengths[i] - 1, 1) for i in live]
-        indptr, ids, last = pages(slices, bs, batch, scratch)
+        indptr, ids, last, slots = pages(slices, bs, batch, scratch)
         want_ptr, want_ids, want_last = _page_table(slices, bs)
         pad = batch - len(slices)
         assert indptr == want_ptr + [want_ptr[-1] + 1 + i for i in range(pad)]
         assert ids.dtype == np.int32 and ids.tolist() == want_ids + [scratch] * pad
         assert last == want_last + [1] * pad
+        assert slots == _slots(slices, bs) + [scratch * bs] * pad  # each new token's slot; padding at the scratch block
         for i in live:  # each sequence moves on a token; a new block when its last one is full
             lengths[i] += 1
             if lengths[i] > bs * len(tables[i]):

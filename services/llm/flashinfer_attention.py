@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from services.llm.attention import SeqSlice, kv_slots, write_kv
-from services.llm.host import Staging, pinned, upload, upload_into
+from services.llm.host import Staging, pinned, upload
 from services.llm.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
@@ -61,9 +61,10 @@ class DecodePages:
         self.arrays: dict[int, tuple[list[int], np.ndarray]] = {}  # id(block table) -> (the table, its array)
 
     def __call__(self, slices: list[SeqSlice], block_size: int, batch: int, pad_page: int):
-        """-> (indptr [batch + 1] list, page ids [indptr[-1]] int32 array, last page lengths [batch] list): rows
-        past `slices` each hold one page, `pad_page`, one token long."""
-        indptr, last, parts, kept = [0], [], [], {}
+        """-> (indptr [batch + 1] list, page ids [indptr[-1]] int32 array, last page lengths [batch] list, the
+        KV slot of each sequence's one new token [batch] list): rows past `slices` each hold one page,
+        `pad_page`, one token long, and write to its first slot."""
+        indptr, last, slots, parts, kept = [0], [], [], [], {}
         for s in slices:
             table = s.block_table
             got = self.arrays.get(id(table))
@@ -74,12 +75,44 @@ class DecodePages:
             pages = -(-total // block_size)
             parts.append(got[1][:pages])
             indptr.append(indptr[-1] + pages)
-            last.append(total - (pages - 1) * block_size)
+            used = total - (pages - 1) * block_size
+            last.append(used)
+            slots.append(table[pages - 1] * block_size + used - 1)
         self.arrays = kept  # the tables of sequences gone from the batch are let go
         pad = batch - len(slices)
         indptr += [indptr[-1] + 1 + i for i in range(pad)]
         parts.append(np.full(pad, pad_page, dtype=np.int32))
-        return indptr, np.concatenate(parts), last + [1] * pad
+        return indptr, np.concatenate(parts), last + [1] * pad, slots + [pad_page * block_size] * pad
+
+
+class _Table:
+    """A decode plan's page table and slots as arrays (`rows` real rows, then padding) and the real rows' block
+    table lengths, kept for the next plan."""
+
+    def __init__(self, slices: list[SeqSlice], indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
+                 slots: np.ndarray, block_size: int):
+        self.rows, self.indptr, self.indices, self.last, self.slots = len(slices), indptr, indices, last, slots
+        self.lens = np.array([len(s.block_table) for s in slices], dtype=np.int64)
+        self.kv_lens = ((np.diff(indptr) - 1) * block_size + last).astype(np.int32)  # each row's keys, its new one's too
+
+    def advance(self, slices: list[SeqSlice], block_size: int) -> bool:
+        """Each real row one token on (`slices`: the same sequences, in order): in its last page, or the first of
+        one block its table gained, inserted in the page ids. False (nothing changed) for anything else."""
+        n = self.rows
+        lens = np.fromiter((len(s.block_table) for s in slices), dtype=np.int64, count=n)
+        grown = np.flatnonzero(lens != self.lens)
+        if n and ((lens[grown] != self.lens[grown] + 1).any() or (self.last[grown] != block_size).any()
+                  or (self.last[:n] >= block_size).sum() != len(grown)):
+            return False
+        self.last[:n] += 1
+        self.slots[:n] += 1
+        self.kv_lens[:n] += 1
+        if len(grown):
+            new = np.array([slices[i].block_table[-1] for i in grown], dtype=np.int32)
+            self.indices = np.insert(self.indices, self.indptr[grown + 1], new)
+            self.indptr[1:] += np.cumsum(np.bincount(grown, minlength=len(self.indptr) - 1)).astype(np.int32)
+            self.last[grown], self.slots[grown], self.lens = 1, new.astype(np.int64) * block_size, lens
+        return True
 
 
 def _slots(slices: list[SeqSlice], block_size: int) -> list[int]:
@@ -149,7 +182,8 @@ class DecodeAttention(_Writer):
     the batch alone fills the GPU, a long serial CTA where it does not."""
 
     def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor,
-                 tensor_cores: bool = True, split_kv: bool = True, direct_plan: bool = False):
+                 tensor_cores: bool = True, split_kv: bool = True, direct_plan: bool = False,
+                 staging: Staging | None = None, offset: int = 0):
         if not (split_kv or tensor_cores):
             raise ValueError("only flashinfer's tensor-core decode can be planned without splitting the keys")
         import flashinfer
@@ -158,12 +192,21 @@ class DecodeAttention(_Writer):
         super().__init__(cache)
         self.scale, self.heads, self.batch, self.scratch, self.split_kv = scale, heads, batch, scratch_block, split_kv
         dev = cache.k.device
-        # The page table's three arrays side by side in one buffer (indptr, last pages' lengths, page ids), so a
-        # direct plan sends them by one copy (Staging); flashinfer's own plan fills them one by one.
-        self.table = Staging(4 * (2 * batch + 1 + cache.k.shape[1]), dev)
-        table = self.table.raw.view(torch.int32)
+        # The new tokens' KV slots and the page table's three arrays (indptr, last pages' lengths, page ids) side by
+        # side in one buffer, at `offset` of a Staging: the slots go by its one copy a step, the page table too where
+        # the plan is direct (flashinfer's own plan copies its arrays one by one). A caller's Staging (`staging`:
+        # the step's other inputs before `offset`) is sent by the caller, `sent` bytes of it after each plan; one of
+        # the attention's own is sent by plan().
+        self.own = staging is None
+        self.table = Staging(offset + self.nbytes(batch, cache), dev) if self.own else staging
+        self.offset = offset
+        self.slot_mapping = self.table.raw[offset:offset + 8 * batch].view(torch.int64)
+        table = self.table.raw[offset + 8 * batch:offset + self.nbytes(batch, cache)].view(torch.int32)
         self.indptr, self.last, self.indices = table[:batch + 1], table[batch + 1:2 * batch + 1], table[2 * batch + 1:]
-        self.slot_mapping = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.sent = offset  # the bytes of `table` the last plan filled (from its start)
+        # Each staging buffer's views of the same: slots (int64), page table (int32)
+        self._host = [(buf[offset:offset + 8 * batch].view(np.int64),
+                       buf[offset + 8 * batch:offset + self.nbytes(batch, cache)].view(np.int32)) for buf in self.table.buffers]
         self.pages = DecodePages()
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=self.indptr,
@@ -171,52 +214,71 @@ class DecodeAttention(_Writer):
         self.direct_plan = direct_plan and tensor_cores and getattr(flashinfer, "__version__", "") == DIRECT_PLAN_VERSION
         self._planned_once = False
         self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
+        self._last_plan: _Table | None = None
+        self.advanced = 0  # plans that advanced the last one's table (steady)
 
-    def plan(self, slices: list[SeqSlice]) -> "DecodeAttention":
-        """Page table and slots for `slices` (at most `batch`, one token each), padded to `batch`."""
-        bs = self.cache.block_size
-        indptr, indices, last = self.pages(slices, bs, self.batch, self.scratch)
-        slots = _slots(slices, bs) + [self.scratch * bs] * (self.batch - len(slices))
+    @staticmethod
+    def nbytes(batch: int, cache: KVCache) -> int:
+        """What a DecodeAttention of `batch` sequences over `cache` takes of a Staging: slots, then the page table."""
+        return 8 * batch + 4 * (2 * batch + 1 + cache.k.shape[1])
+
+    def plan(self, slices: list[SeqSlice], steady: bool = False) -> "DecodeAttention":
+        """Page table and slots for `slices` (at most `batch`, one token each), padded to `batch`. With a caller's
+        Staging, its current buffer (the caller's fill()) takes them, and the caller sends `sent` bytes of it.
+
+        `steady`: the caller vouches that `slices` are the last plan's sequences in its order, each one token on
+        (their block tables grown, not replaced): the last plan's table is then advanced a token (_Table.advance),
+        not rebuilt from the block tables."""
+        if self.own:
+            self.table.fill()
+        host_slots, words = self._host[self.table.turn]
+        t, bs, b = self._last_plan, self.cache.block_size, self.batch
+        if steady and t is not None and t.rows == len(slices) and t.advance(slices, bs):
+            self.advanced += 1
+        else:
+            indptr, indices, last, slots = self.pages(slices, bs, b, self.scratch)
+            t = self._last_plan = _Table(slices, np.array(indptr, dtype=np.int32), indices,
+                                         np.array(last, dtype=np.int32), np.array(slots, dtype=np.int64), bs)
+        host_slots[:] = t.slots
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
-        if self._planned_once and self._direct(indptr, indices, last, kv_heads, head_dim, bs):
-            upload_into(self.slot_mapping, slots)
-            return self
-        # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
-        # copy them with a blocking copy (a second device sync in the step). The page pointers and last
-        # pages' lengths, which it reads on the host too, go in pinned memory: copied from pageable memory
-        # they would make the host wait for the step still running (an overlapped step's launch would then
-        # start only when the device is idle).
-        pages = upload(indices, self.cache.k.device, torch.int32)
-        self.wrapper.plan(pinned(indptr, torch.int32), pages, pinned(last, torch.int32),
-                          self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
-                          kv_data_type=self.cache.k.dtype, sm_scale=self.scale,
-                          **({} if self.split_kv else {"disable_split_kv": True}))
-        self._planned_once = True
-        upload_into(self.slot_mapping, slots)
+        if self._planned_once and self._direct(words, t, kv_heads, head_dim, bs):
+            self.sent = self.offset + 8 * b + 4 * (2 * b + 1 + len(t.indices))
+        else:
+            # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
+            # copy them with a blocking copy (a second device sync in the step). The page pointers and last
+            # pages' lengths, which it reads on the host too, go in pinned memory: copied from pageable memory
+            # they would make the host wait for the step still running (an overlapped step's launch would then
+            # start only when the device is idle). Its copies fill the page table's device arrays, so the
+            # Staging's copy stops before them.
+            pages = upload(t.indices, self.cache.k.device, torch.int32)
+            self.wrapper.plan(pinned(t.indptr, torch.int32), pages, pinned(t.last, torch.int32),
+                              self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
+                              kv_data_type=self.cache.k.dtype, sm_scale=self.scale,
+                              **({} if self.split_kv else {"disable_split_kv": True}))
+            self._planned_once = True
+            self.sent = self.offset + 8 * b
+        if self.own:
+            self.table.send(self.sent)
         return self
 
-    def _direct(self, indptr: list[int], indices: np.ndarray, last: list[int], kv_heads: int, head_dim: int,
-                bs: int) -> bool:
+    def _direct(self, words: np.ndarray, t: "_Table", kv_heads: int, head_dim: int, bs: int) -> bool:
         """The plan without flashinfer's wrapper (`direct_plan`, flashinfer DIRECT_PLAN_VERSION's fa2 tensor-core
-        path, after one plan through the wrapper has chosen its module): the page table sent by one copy, and the
-        module's plan called with the arguments the wrapper's plan gives it, its checks, conversions and three
-        copies skipped. False where it does not apply (the wrapper's plan then runs)."""
+        path, after one plan through the wrapper has chosen its module): the page table written into `words` (the
+        staging buffer's view of it, sent by the Staging's one copy), and the module's plan called with the
+        arguments the wrapper's plan gives it, its checks, conversions and three copies skipped. False where it
+        does not apply (the wrapper's plan then runs)."""
         w = self.wrapper
         if not (self.direct_plan and w._backend == "fa2" and w._jit_module is None and w.is_cuda_graph_enabled):
             return False
-        b, n = self.batch, len(indices)
-        words = self.table.fill().view(np.int32)
-        words[:b + 1], words[b + 1:2 * b + 1], words[2 * b + 1:2 * b + 1 + n] = indptr, last, indices
-        self.table.send(4 * (2 * b + 1 + n))
-        pages = np.diff(words[:b + 1])
-        kv_lens = torch.from_numpy(((pages - 1) * bs + words[b + 1:2 * b + 1]).astype(np.int32, copy=False))
+        b, n = self.batch, len(t.indices)
+        words[:b + 1], words[b + 1:2 * b + 1], words[2 * b + 1:2 * b + 1 + n] = t.indptr, t.last, t.indices
         # As BatchDecodeWithPagedKVCacheWrapper.plan (0.6.13) calls it for fa2 on tensor cores: total rows and
         # batch (one query row each), heads, page size, CUDA-graph mode, head dims, not causal, no window, no fixed
-        # split, whether to split the keys, no co-located CTAs.
+        # split, whether to split the keys, no co-located CTAs. It reads the host arrays before it returns.
         w._plan_info = w._cached_module.plan(
             w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer, self._qo_indptr,
-            torch.from_numpy(words[:b + 1]), kv_lens, b, b, self.heads, kv_heads, bs, True, head_dim, head_dim, False,
-            -1, -1, not self.split_kv, 0)
+            torch.from_numpy(t.indptr), torch.from_numpy(t.kv_lens), b, b, self.heads, kv_heads, bs, True, head_dim,
+            head_dim, False, -1, -1, not self.split_kv, 0)
         return True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:

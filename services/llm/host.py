@@ -128,23 +128,28 @@ class Staging:
 
 class StepInputs:
     """A captured step's values from the host in one device buffer, sent by one copy a step (Staging): `ints`
-    [I, width] int64 and `floats` [F, width] float32, views whose addresses never change. Sent row by row, a
-    step's five to seven kinds of values took as many copies, each through a pinned buffer of its own and, into a
-    view narrower than its rows, a device kernel too. `fill()` hands out numpy views of the staging buffer to send
-    next, still holding what was last sent from it."""
+    [I, width] int64 and `floats` [F, width] float32, views whose addresses never change, then `extra` bytes from
+    `extra_offset` for another user of the same copy (the step's decode attention: its slots and page table). Sent
+    row by row, a step's five to seven kinds of values took as many copies, each through a pinned buffer of its own
+    and, into a view narrower than its rows, a device kernel too. `fill()` hands out numpy views of the staging
+    buffer to send next, still holding what was last sent from it."""
 
-    def __init__(self, ints: int, floats: int, width: int, device: torch.device):
+    def __init__(self, ints: int, floats: int, width: int, device: torch.device, extra: int = 0):
         self._split = 8 * ints * width
-        self.staging = Staging(self._split + 4 * floats * width, device)
+        self.extra_offset = -(-(self._split + 4 * floats * width) // 8) * 8  # 8-aligned, for int64 views
+        self.staging = Staging(self.extra_offset + extra, device)
         raw = self.staging.raw
         self.ints = raw[:self._split].view(torch.int64).view(ints, width)
-        self.floats = raw[self._split:].view(torch.float32).view(floats, width)
+        self.floats = raw[self._split:self._split + 4 * floats * width].view(torch.float32).view(floats, width)
         self._views = [(b[:self._split].view(np.int64).reshape(ints, width),
-                        b[self._split:].view(np.float32).reshape(floats, width)) for b in self.staging.buffers]
+                        b[self._split:self._split + 4 * floats * width].view(np.float32).reshape(floats, width))
+                       for b in self.staging.buffers]
 
     def fill(self) -> tuple[np.ndarray, np.ndarray]:
         self.staging.fill()
         return self._views[self.staging.turn]
 
-    def send(self) -> None:
-        self.staging.send()
+    def send(self, nbytes: int | None = None) -> None:
+        """Sends the rows filled (and the extra bytes' first `nbytes - extra_offset`: `nbytes` counts from the
+        start; all of them by default)."""
+        self.staging.send(nbytes)

@@ -205,10 +205,10 @@ class LMStageConfig(EngineStageConfig):
     # them (flashinfer's way in a graph) for batches of up to this many sequences; larger batches give each
     # sequence and KV head one CTA and no merge. -1: every batch splits. Not yet measured.
     decode_split_kv_max_batch: int = -1
-    # Captured decode attention planned without flashinfer's wrapper after its first plan (flashinfer 0.6.13, tensor
-    # cores): the page table sent by one copy and the kernel module's plan called directly, the wrapper's checks,
-    # conversions and three copies skipped (its plan was 0.43-0.91 ms of the thinker's host step at 32 requests in
-    # bench/results/thinker-1xh200-*-b32-*-0698f37.json). Off until measured.
+    # Captured decode attention planned without flashinfer's wrapper after its first plan (flashinfer 0.6.13, its
+    # tensor-core kernels; other kernels plan through the wrapper): the page table sent by one copy and the kernel
+    # module's plan called directly, the wrapper's checks, conversions and three copies skipped. The thinker's is on
+    # (ThinkerConfig); the talker's is off until measured.
     decode_direct_plan: bool = False
     # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, the thinker's multimodal rows) of
     # up to this many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
@@ -224,7 +224,8 @@ class LMStageConfig(EngineStageConfig):
                     max_seqs=self.max_seqs, moe=self.moe, fp8_experts=self.fp8_experts,
                     fp8_activations=self.fp8_activations, fp8_fused_quant=self.fp8_fused_quant, attention=self.attention,
                     cuda_graph_max_batch=self.cuda_graph_max_batch, decode_tensor_cores=self.decode_tensor_cores,
-                    decode_split_kv_max_batch=self.decode_split_kv_max_batch, decode_direct_plan=self.decode_direct_plan,
+                    decode_split_kv_max_batch=self.decode_split_kv_max_batch,
+                    decode_direct_plan=self.decode_direct_plan and self.decode_tensor_cores,
                     step_graphs=self.step_graphs, compile=self.compile)
 
 
@@ -243,6 +244,9 @@ class ThinkerConfig(LMStageConfig):
     # to host memory beside their tokens, so they go to the talker inside the message, not as one CUDA IPC
     # transfer per request and token (a put here, a read there: host time on both sides at every token).
     host_states: bool = True
+    # On for the thinker (LMStageConfig): its host step at 32 requests took 1.01 ms against 1.63 through flashinfer's
+    # wrapper on one machine, 1.11 and 1.29 against 2.26 on another (bench/results/README.md, "Session 20").
+    decode_direct_plan: bool = True
 
     @property
     def native_args(self) -> dict:
@@ -346,9 +350,6 @@ class MeshConfig:
             if getattr(self, stage).decode_split_kv_max_batch >= 0 and not getattr(self, stage).decode_tensor_cores:
                 raise ConfigError(f"{stage}.decode_split_kv_max_batch needs {stage}.decode_tensor_cores (flashinfer's "
                                   "CUDA-core decode kernel is planned its own way)")
-            if getattr(self, stage).decode_direct_plan and not getattr(self, stage).decode_tensor_cores:
-                raise ConfigError(f"{stage}.decode_direct_plan plans flashinfer's tensor-core decode: it needs "
-                                  f"{stage}.decode_tensor_cores")
         if self.talker.code2wav_native and self.talker.code2wav_fuse:
             raise ConfigError("talker.code2wav_native fuses code2wav's activations itself: leave talker.code2wav_fuse off")
         if self.encoder.graphs and self.encoder.attention != "varlen":

@@ -4,6 +4,7 @@ one forward per step over every scheduled sequence. Same requests and outputs as
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
@@ -73,6 +74,10 @@ class NativeThinker:
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
+        self._launched, self._launch_turn = [None, None], 0  # launched steps' token buffers and events (_launch_buffers)
+        # The last decode replay's graph size, first row's position and sequences, if nothing ran
+        # since; and each graph size's host rows of positions and settings (_replay)
+        self._replayed, self._rows = None, {}
         self.overlapped = 0  # steps launched before the previous one's tokens were read
         # The host's time by phase of its steps (schedule, inputs, plan, launch, queue, finish, rest; and its waits on
         # the device), summed.
@@ -126,12 +131,16 @@ class NativeThinker:
         from services.llm.graphs import CapturedGraphs, ladder
 
         sizes = ladder(max_batch)
-        # Each size's inputs, sent by one copy a step: ids, positions, top-k, seed, draw counter; temperature, top-p.
-        self.step_inputs = {b: StepInputs(5, 2, b, self.device) for b in sizes}
-        # One attention per size (its page table buffers are the graph's), planned all padding for capture.
-        self.decode_attention = {b: DecodeAttention(self.cache, scale, heads, b, scratch, workspace, self.decode_tensor_cores,
-                                                     split_kv(b, self.decode_split_kv_max_batch),
-                                                     self.decode_direct_plan).plan([]) for b in sizes}
+        # Each size's inputs, sent by one copy a step: ids, positions, top-k, seed, draw counter; temperature, top-p;
+        # then its attention's slots and page table (their buffers are the graph's), planned all padding for capture.
+        self.step_inputs, self.decode_attention = {}, {}
+        for b in sizes:
+            inputs = self.step_inputs[b] = StepInputs(5, 2, b, self.device, DecodeAttention.nbytes(b, self.cache))
+            self.decode_attention[b] = DecodeAttention(
+                self.cache, scale, heads, b, scratch, workspace, self.decode_tensor_cores,
+                split_kv(b, self.decode_split_kv_max_batch), self.decode_direct_plan, inputs.staging, inputs.extra_offset)
+            inputs.fill()
+            inputs.send(self.decode_attention[b].plan([]).sent)
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
 
         def body(b: int):
@@ -232,6 +241,7 @@ class NativeThinker:
     def _step(self, work: list[Work]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
         if self._graphable(work):
             return self._graph_step(work)
+        self._replayed = None  # a step between replays: the next is not the last one's rows a token on
         embeds, positions, ds_rows, ds_values = self._inputs(work)
         capture = self.accept_layer if any(w.seq.owner.return_states for w in work) else None
         attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work])
@@ -263,8 +273,22 @@ class NativeThinker:
         n = len(work)
         prev = self.pending
         pending_rows = prev.row_of if prev is not None else {}
-        src = [pending_rows.get(id(w.seq), -1) for w in work]
-        if prev is not None and src == list(range(n)):  # every row's input is the pending step's token, in its order
+        # One pass over the rows: where each one's input token is (the pending step's row, or -1: on the host), whether
+        # its states go out with its token (speech requests, once per position), its draw counter (the pending token
+        # counts) and whether the step's draws stand for its token (tensor_drawable).
+        src, send, counters, row_of = [], [], [], {}
+        in_order, drawable = prev is not None, self.graph_sampling
+        for i, w in enumerate(work):
+            seq = w.seq.owner
+            r = pending_rows.get(id(w.seq), -1)
+            in_order = in_order and r == i
+            c = len(seq.generated) + (r >= 0)
+            src.append(r)
+            send.append(seq.return_states and w.start + 1 > w.seq.states_sent)
+            counters.append(c)
+            row_of[id(w.seq)] = i
+            drawable = drawable and tensor_drawable(seq.params, c, CANDIDATES)
+        if in_order:  # every row's input is the pending step's token, in its order
             ids = prev.tokens[:n]
         else:
             ids = upload([w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)], self.device, torch.long)
@@ -275,54 +299,61 @@ class NativeThinker:
             # flashinfer plans through a pinned host buffer of its own: the pending step's copy out of it must have
             # run before this plan rewrites it (queued ahead of that step's kernels, it is done by now or nearly).
             prev.planned.synchronize()
-        planned = torch.cuda.Event() if ids.is_cuda else None
+        host, planned, copied = self._launch_buffers(n) if ids.is_cuda else (None, None, None)
         # Speech requests get the row's states (input embedding, accept layer) with its token, once per position.
-        send = [w.seq.owner.return_states and w.start + 1 > w.seq.states_sent for w in work]
-        states = None
-        owners = [w.seq.owner for w in work]
-        counters = [len(s.generated) + (r >= 0) for s, r in zip(owners, src)]  # the pending token counts
-        drawn = None
-        if self._graphable(work):
+        states, drawn, sending = None, None, any(send)
+        # Its rows all decode their last token (_overlappable): a graph's if one is that large
+        if self.graphs is not None and n <= self.graphs.max_batch:
             embeds, captured, logits, drawn = self._replay(work, ids, counters, planned)
-            logits, drawn = logits[:n], self._drawn(work, drawn[:n], counters)
-            if any(send):  # the next replay overwrites them: copied out (to the host below, or here)
+            logits, drawn = logits[:n], drawn[:n] if drawable else None
+            if sending:  # the next replay overwrites them: copied out (to the host below, or here)
                 states = embeds[:n], captured[:n]
                 if not (self.host_states and embeds.is_cuda):
                     states = tuple(t.clone() for t in states)
         else:
+            self._replayed = None
             positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
             attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
             if planned is not None:
                 planned.record(torch.cuda.current_stream(self.device))
             embeds = self.model.model.embed_tokens(ids)
             with step_context(attention, self.moe):
-                hidden, captured = self.model(embeds, positions, capture_layer=self.accept_layer if any(send) else None)
+                hidden, captured = self.model(embeds, positions, capture_layer=self.accept_layer if sending else None)
             logits = self.model.lm_head(hidden)
-            if any(send):
+            if sending:
                 states = embeds, captured
         self.scheduler.advance(work)
-        tokens = drawn if drawn is not None else sample_batch(logits, [s.params for s in owners], counters=counters)
-        host, event = tokens, None
+        tokens = drawn if drawn is not None else sample_batch(logits, [w.seq.owner.params for w in work], counters=counters)
+        event = None
         if tokens.is_cuda:  # to the host without waiting: read when the next step has been launched
-            host = torch.empty(n, dtype=torch.long, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             if states is not None and self.host_states:  # with them, the speech rows' states (host_states)
                 states = tuple(_pinned_copy(t) for t in states)
-            event = torch.cuda.Event()
+            event = copied if states is None else torch.cuda.Event()  # one handed out with states (ready) is theirs
             event.record(torch.cuda.current_stream(self.device))
-        for w, sent in zip(work, send):
+        else:
+            host = tokens
+        placeholders = []
+        for w, sent, c in zip(work, send, counters):
             if sent:
                 w.seq.states_sent = w.start + 1
-        placeholders = []
-        for w, s, c in zip(work, owners, counters):
-            last = c + 1 >= s.params.max_tokens  # this token ends it by length: no further step for it
+            last = c + 1 >= w.seq.owner.params.max_tokens  # this token ends it by length: no further step for it
             placeholders.append(not last)
             if not last:
                 w.seq.tokens.append(PLACEHOLDER)
         self.overlapped += prev is not None
         self.laps.lap("queue")
-        return _Pending(work, tokens, host, event, placeholders, {id(w.seq): i for i, w in enumerate(work)}, planned,
-                        send, states)
+        return _Pending(work, tokens, host, event, placeholders, row_of, planned, send, states)
+
+    def _launch_buffers(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event, torch.cuda.Event]:
+        """A launched step's pinned buffer for its `n` tokens and its two events (plan copied, tokens copied): two
+        sets used in turn, as a step's tokens are read (_finish) before the step after next is launched."""
+        self._launch_turn ^= 1
+        if self._launched[self._launch_turn] is None or len(self._launched[self._launch_turn][0]) < n:
+            self._launched[self._launch_turn] = (torch.empty(max(n, 256), dtype=torch.long, pin_memory=True),
+                                                 torch.cuda.Event(), torch.cuda.Event())
+        host, planned, copied = self._launched[self._launch_turn]
+        return host[:n], planned, copied
 
     def _finish(self, p: "_Pending") -> list[tuple[ThinkerSeq, ThinkerStep]]:
         """The pending step's tokens, read now (its device work is done or nearly): each placeholder filled,
@@ -372,18 +403,29 @@ class NativeThinker:
         device_ids = isinstance(ids, torch.Tensor)
         if not device_ids:
             ints[0, :n] = ids
-        params = [w.seq.owner.params for w in work]
-        ints[1, :n] = [w.start + w.seq.owner.rope_delta for w in work]
-        ints[2, :n] = [p.top_k for p in params]
-        ints[3, :n] = [p.seed & (2**63 - 1) for p in params]
+        # The last replay's rows one token on (the same sequences, nothing else run between): positions advanced
+        # and settings kept, the page table advanced, not rebuilt (DecodeAttention.plan).
+        seqs = [w.seq for w in work]
+        mark = (b, work[0].start, seqs)
+        last = self._replayed
+        steady = last is not None and last[:2] == (b, mark[1] - 1) and last[2] == seqs
+        int_rows, float_rows = self._rows.setdefault(b, (np.zeros((3, b), np.int64), np.zeros((2, b), np.float32)))
+        if steady:
+            int_rows[0, :n] += 1
+        else:  # positions, top-k, seeds; temperatures, top-p
+            params = [s.owner.params for s in seqs]
+            int_rows[:, :n] = ([w.start + w.seq.owner.rope_delta for w in work], [p.top_k for p in params],
+                               [p.seed & (2**63 - 1) for p in params])
+            float_rows[:, :n] = [p.temperature for p in params], [p.top_p for p in params]
+        ints[1:4, :n] = int_rows[:, :n]
         ints[4, :n] = counters
-        floats[0, :n] = [p.temperature for p in params]
-        floats[1, :n] = [p.top_p for p in params]
-        inputs.send()
+        floats[:, :n] = float_rows[:, :n]
+        self.laps.lap("inputs")
+        attention = self.decode_attention[b].plan([SeqSlice(s.blocks, w.start, 1) for s, w in zip(seqs, work)], steady)
+        self._replayed = mark  # cleared by any other forward (_step, _launch)
+        inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
         if device_ids:  # the pending step's tokens, copied on the device after the buffer's copy lands
             inputs.ints[0, :n] = ids
-        self.laps.lap("inputs")
-        self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
         if planned is not None:
             planned.record(torch.cuda.current_stream(self.device))
         self.laps.lap("plan")

@@ -1,0 +1,133 @@
+"""The thinker's captured decode path, host side, on the CPU: the step's inputs (StepInputs) and its attention's
+slots and page table sent by one copy (a shared Staging), the page table planned through flashinfer's wrapper or
+directly (decode_direct_plan), overlapped launches reading the pending step's tokens, and draws inside the step.
+
+flashinfer and CUDA graphs do not run here, so a stand-in takes flashinfer's place: its wrapper fills the page table
+buffers as flashinfer's plan does and attends over the paged cache by reading them back (the reference attention
+over the same pages), and the decode "graph" is its body run eagerly on each replay. The real kernels and graphs are
+tests/test_gpu_attention.py's and tests/test_gpu_thinker.py's (marked gpu). What this checks is everything the
+host puts in the device buffers the graph reads: with any of it wrong, the tokens leave transformers' greedy ones.
+"""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from references import thinker_seq
+from test_thinker_engine import CASES, N, expected, reference, run_staggered  # noqa: F401 (fixtures)
+
+from services.llm import graphs
+from services.model.load import load_config
+from services.thinker.engine import NativeThinker
+
+
+class StandInWrapper:
+    """flashinfer 0.6.13's BatchDecodeWithPagedKVCacheWrapper as DecodeAttention uses it, run in PyTorch."""
+
+    def __init__(self, workspace, layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
+                 paged_kv_indices_buffer, paged_kv_last_page_len_buffer):
+        assert layout == "NHD" and use_cuda_graph
+        self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+        # What DecodeAttention's direct plan checks and passes through
+        self._backend, self._jit_module, self.is_cuda_graph_enabled = "fa2", None, True
+        self._float_workspace_buffer = self._int_workspace_buffer = self._pin_memory_int_workspace_buffer = workspace
+        self._cached_module = types.SimpleNamespace(plan=self._module_plan)
+        self.wrapper_plans = self.direct_plans = 0
+
+    def plan(self, indptr, indices, last, heads, kv_heads, head_dim, page_size, q_data_type=None, kv_data_type=None,
+             sm_scale=None, **_):
+        # flashinfer copies the three arrays into the buffers it was given, and keeps the lengths for its plan
+        self.indptr[:len(indptr)].copy_(indptr)
+        self.indices[:len(indices)].copy_(indices)
+        self.last[:len(last)].copy_(last)
+        self.scale, self.page_size, self.heads = sm_scale, page_size, heads
+        self.kv_lens = ((indptr[1:] - indptr[:-1] - 1) * page_size + last).tolist()
+        self.wrapper_plans += 1
+
+    def _module_plan(self, float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, kv_lens, rows, batch, heads, kv_heads,
+                     page_size, graph, head_dim_qk, head_dim_vo, causal, window, fixed_split, no_split, ctas):
+        assert rows == batch == len(qo_indptr) - 1 == len(kv_lens) and graph and not causal and page_size == self.page_size
+        self.kv_lens = kv_lens.tolist()  # what the kernels would be planned for: run() checks the buffers agree
+        self.direct_plans += 1
+        return "plan info"
+
+    def run(self, q, kv):
+        k_cache, v_cache = kv
+        indptr, indices, last = self.indptr.tolist(), self.indices.tolist(), self.last.tolist()
+        out = torch.empty_like(q)
+        for i in range(q.shape[0]):
+            pages = indices[indptr[i]:indptr[i + 1]]
+            n = (len(pages) - 1) * self.page_size + last[i]
+            assert n == self.kv_lens[i], (i, n, self.kv_lens[i])  # the page table sent is the one planned
+            k = k_cache[pages].flatten(0, 1)[:n].repeat_interleave(q.shape[1] // k_cache.shape[2], 1)
+            v = v_cache[pages].flatten(0, 1)[:n].repeat_interleave(q.shape[1] // k_cache.shape[2], 1)
+            weights = torch.einsum("hd,nhd->hn", q[i].float(), k.float()).mul(self.scale).softmax(-1)
+            out[i] = torch.einsum("hn,nhd->hd", weights, v.float()).to(q.dtype)
+        return out
+
+
+class EagerGraphs(graphs.CapturedGraphs):
+    """Each decode "graph" is its body run when replayed (outputs valid until the next replay, as a graph's). With
+    `attention` (the engine's DecodeAttention by size), each replay first checks that every row's new token goes
+    to the slot after its last cached one: the last page's slot at the last page's length."""
+
+    def __init__(self, sizes, body, device):
+        self.sizes, self.body, self.graphs, self.replays, self.launch_s = sorted(sizes), body, {}, 0, 0.0
+        self.attention = {}
+
+    def replay(self, b: int) -> tuple:
+        if b in self.attention:
+            a = self.attention[b]
+            last_pages = a.indices[a.indptr[1:].long() - 1].long()
+            bs = a.cache.block_size
+            assert a.slot_mapping.tolist() == (last_pages * bs + a.last - 1).tolist()
+        self.replays += 1
+        return self.body(b)
+
+
+def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeThinker:
+    """A native thinker on the CPU with decode "graphs" up to `max_batch` through the stand-ins."""
+    fake = types.SimpleNamespace(__version__="0.6.13", BatchDecodeWithPagedKVCacheWrapper=StandInWrapper,
+                                 decode=types.SimpleNamespace(), prefill=types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(graphs, "CapturedGraphs", EagerGraphs)
+    engine = NativeThinker(tiny_model, **engine_args)
+    tc = load_config(tiny_model).thinker_config.text_config
+    engine._capture(max_batch, engine.scheduler.allocator.num_blocks, tc.head_dim ** -0.5, tc.num_attention_heads, None)
+    engine.graphs.attention = engine.decode_attention
+    return engine
+
+
+def run_together(engine, seqs: list) -> None:
+    for s in seqs:
+        engine.add(s)
+    while any(not s.done for s in seqs):
+        engine.step([s for s in seqs if not s.done])
+    for s in seqs:
+        engine.free(s)
+
+
+@pytest.mark.parametrize("arrivals", ["staggered", "together"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("direct", [False, True])
+def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, reference, expected, monkeypatch,
+                                                                     overlap, direct, arrivals):
+    """Four requests arriving a step apart (their first steps mixed with others' prompts, eager; the rest in decode
+    graphs of 1, 2 and 4 rows) or together, their KV pages 4 tokens long so the page tables grow every few steps
+    (rebuilt; between, a step of the same rows advances the last one's table and positions); planned directly,
+    every plan after the capture's skips the wrapper."""
+    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct, block_size=4)
+    seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
+    (run_staggered if arrivals == "staggered" else run_together)(engine, seqs)
+    for name, seq in zip(CASES, seqs):
+        assert seq.generated == expected[name], name
+    wrappers = [a.wrapper for a in engine.decode_attention.values()]
+    assert engine.graphs.replays > N // 2
+    assert sum(a.advanced for a in engine.decode_attention.values()) >= N // 2 - 2
+    assert sum(w.direct_plans for w in wrappers) == (engine.graphs.replays if direct else 0)
+    assert all(w.wrapper_plans == 1 for w in wrappers) if direct else sum(w.wrapper_plans for w in wrappers) > N
+    if overlap:
+        assert engine.overlapped >= N // 2
+    assert engine.scheduler.allocator.used == 0 and not engine.states
