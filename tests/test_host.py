@@ -104,3 +104,24 @@ def test_step_inputs_carry_another_users_bytes_in_the_same_copy_sending_only_wha
     assert inputs.ints.tolist() == [[1, 2, 3]] and inputs.floats.tolist() == [[0.5, 0.25, 2.0]]
     assert inputs.staging.raw[40:56].view(torch.int64).tolist() == [11, 12]
     assert inputs.staging.raw[56:].tolist() == [9] * 16
+
+
+def test_wait_polls_the_event_when_spinning_and_sleeps_in_the_driver_otherwise():
+    from services.llm.host import wait
+
+    class Event:
+        def __init__(self, busy: int):
+            self.busy, self.queries, self.synchronized = busy, 0, 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.queries > self.busy
+
+        def synchronize(self) -> None:
+            self.synchronized += 1
+
+    polled, slept = Event(busy=1000), Event(busy=1000)
+    wait(polled, spin=True)
+    wait(slept, spin=False)
+    assert (polled.queries, polled.synchronized) == (1001, 0)
+    assert (slept.queries, slept.synchronized) == (0, 1)

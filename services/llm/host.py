@@ -65,6 +65,20 @@ def scalar(value, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
+def wait(event, spin: bool) -> None:
+    """Returns once the device has reached `event` (a CUDA event). `spin`: by polling it, the interpreter lock held
+    between polls (the interpreter hands it to a thread that asks at its switch interval, as it would from any
+    work of this thread's); otherwise blocked in the driver with the lock released. After a blocking wait as long
+    as a decode step, or polls that yield the CPU between them, the host's next step took twice as long (every
+    phase of it alike, on one machine's H200 host: the caches and clocks of a core left idle); polling, the
+    thinker's host step at 32 requests took 0.53 ms against 1.1-1.6 (bench/results/README.md, "Session 20")."""
+    if spin:
+        while not event.query():
+            pass
+    else:
+        event.synchronize()
+
+
 class Laps:
     """The host's seconds in each phase of its steps, summed over them: `start()` at a step's beginning, then
     `lap(name)` charges the time since the last mark to `name`, less what `waited()` reported inside it (charged

@@ -247,11 +247,15 @@ class ThinkerConfig(LMStageConfig):
     # On for the thinker (LMStageConfig): its host step at 32 requests took 1.01 ms against 1.63 through flashinfer's
     # wrapper on one machine, 1.11 and 1.29 against 2.26 on another (bench/results/README.md, "Session 20").
     decode_direct_plan: bool = True
+    # The engine's waits on the device poll it rather than sleep in the driver (services.llm.host.wait: after a
+    # sleep as long as a decode step, the host's next step ran at half speed; polling, its host step at 32 requests
+    # took 0.53 ms against 1.1-1.6). The engine's thread keeps a core busy, and the interpreter lock between polls.
+    spin_wait: bool = True
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
-                "host_states": self.host_states}
+                "host_states": self.host_states, "spin_wait": self.spin_wait}
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import Laps, StepInputs, upload
+from services.llm.host import Laps, StepInputs, upload, wait
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
@@ -69,8 +69,9 @@ class NativeThinker:
                  fp8_fused_quant: bool = False,
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
-                 decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False):
+                 decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False, spin_wait: bool = False):
         self.device, self.dtype = torch.device(device), dtype
+        self.spin_wait = spin_wait  # waits on the device's steps poll, not sleep (services.llm.host.wait)
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
@@ -360,7 +361,7 @@ class NativeThinker:
         each request's output as `_outputs` makes it. Rows of requests freed or ended meanwhile are dropped."""
         t_wait = time.perf_counter()
         if p.event is not None:
-            p.event.synchronize()
+            wait(p.event, self.spin_wait)
         tokens = p.host.tolist()
         waited = time.perf_counter() - t_wait
         self.last_wait_s += waited
@@ -501,6 +502,10 @@ class NativeThinker:
                                                                   counters=generated)
             self.laps.lap("queue")
             t_wait = time.perf_counter()
+            if self.spin_wait and chosen.is_cuda:
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+                wait(done, True)
             tokens = chosen.tolist()  # the step's one wait on the device
             self.last_wait_s = time.perf_counter() - t_wait
             self.laps.waited(self.last_wait_s)
