@@ -87,11 +87,15 @@ class EagerGraphs(graphs.CapturedGraphs):
         return self.body(b)
 
 
-def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeThinker:
-    """A native thinker on the CPU with decode "graphs" up to `max_batch` through the stand-ins."""
+def stand_in_flashinfer(monkeypatch) -> None:
     fake = types.SimpleNamespace(__version__="0.6.13", BatchDecodeWithPagedKVCacheWrapper=StandInWrapper,
                                  decode=types.SimpleNamespace(), prefill=types.SimpleNamespace())
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
+
+
+def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeThinker:
+    """A native thinker on the CPU with decode "graphs" up to `max_batch` through the stand-ins."""
+    stand_in_flashinfer(monkeypatch)
     monkeypatch.setattr(graphs, "CapturedGraphs", EagerGraphs)
     engine = NativeThinker(tiny_model, **engine_args)
     tc = load_config(tiny_model).thinker_config.text_config
@@ -109,7 +113,7 @@ def run_together(engine, seqs: list) -> None:
         engine.free(s)
 
 
-@pytest.mark.parametrize("arrivals", ["staggered", "together"])
+@pytest.mark.parametrize("arrivals", ["staggered", "together", "preempted"])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("direct", [False, True])
 def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, reference, expected, monkeypatch,
@@ -118,16 +122,39 @@ def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, 
     graphs of 1, 2 and 4 rows) or together, their KV pages 4 tokens long so the page tables grow every few steps
     (rebuilt; between, a step of the same rows advances the last one's table and positions); planned directly,
     every plan after the capture's skips the wrapper."""
-    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct, block_size=4)
+    # preempted: a cache of 24 blocks, too few for all four, so some are preempted and recomputed, and graphs of
+    # four run two or three rows over a cache nearly full (their padding rows' pages on top of every block)
+    cache = {"kv_blocks": 24, "max_batched_tokens": 9} if arrivals == "preempted" else {}
+    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct, block_size=4, **cache)
     seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
-    (run_staggered if arrivals == "staggered" else run_together)(engine, seqs)
+    (run_staggered if arrivals != "together" else run_together)(engine, seqs)
     for name, seq in zip(CASES, seqs):
         assert seq.generated == expected[name], name
     wrappers = [a.wrapper for a in engine.decode_attention.values()]
     assert engine.graphs.replays > N // 2
     assert sum(a.advanced for a in engine.decode_attention.values()) >= N // 2 - 2
+    if arrivals == "preempted":
+        assert engine.scheduler.preemptions > 0
     assert sum(w.direct_plans for w in wrappers) == (engine.graphs.replays if direct else 0)
     assert all(w.wrapper_plans == 1 for w in wrappers) if direct else sum(w.wrapper_plans for w in wrappers) > N
     if overlap:
         assert engine.overlapped >= N // 2
     assert engine.scheduler.allocator.used == 0 and not engine.states
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_graph_of_few_rows_over_a_full_cache_has_room_for_its_padding_pages(monkeypatch, direct):
+    """Two sequences holding every block of the cache, in a graph of four: their pages and one scratch page for
+    each padding row, more page ids than the cache has blocks, all land in the page table."""
+    from services.llm.attention import SeqSlice
+    from services.llm.flashinfer_attention import DecodeAttention
+    from services.llm.kv_cache import KVCache
+
+    stand_in_flashinfer(monkeypatch)
+    cache = KVCache.allocate(1, 9, 4, 2, 8, torch.float32, "cpu")  # 8 blocks and the scratch one
+    attention = DecodeAttention(cache, 1.0, 2, 4, 8, None, direct_plan=direct).plan([])
+    attention.plan([SeqSlice([0, 2, 4, 6], 15, 1), SeqSlice([1, 3, 5, 7], 15, 1)])  # 16 tokens each: 4 blocks
+    assert attention.indptr.tolist() == [0, 4, 8, 9, 10]
+    assert attention.indices[:10].tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 8]
+    assert attention.last.tolist() == [4, 4, 1, 1] and attention.slot_mapping.tolist() == [27, 31, 32, 32]
+    assert attention.wrapper.direct_plans == direct

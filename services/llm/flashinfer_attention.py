@@ -219,8 +219,9 @@ class DecodeAttention(_Writer):
 
     @staticmethod
     def nbytes(batch: int, cache: KVCache) -> int:
-        """What a DecodeAttention of `batch` sequences over `cache` takes of a Staging: slots, then the page table."""
-        return 8 * batch + 4 * (2 * batch + 1 + cache.k.shape[1])
+        """What a DecodeAttention of `batch` sequences over `cache` takes of a Staging: slots, then the page table,
+        its page ids room for every block and a page for each padding row (the scratch block, again)."""
+        return 8 * batch + 4 * (2 * batch + 1 + cache.k.shape[1] + batch)
 
     def plan(self, slices: list[SeqSlice], steady: bool = False) -> "DecodeAttention":
         """Page table and slots for `slices` (at most `batch`, one token each), padded to `batch`. With a caller's

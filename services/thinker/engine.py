@@ -76,8 +76,8 @@ class NativeThinker:
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
         self._launched, self._launch_turn = [None, None], 0  # launched steps' token buffers and events (_launch_buffers)
-        # The last decode replay's graph size, first row's position and sequences, if nothing ran
-        # since; and each graph size's host rows of positions and settings (_replay)
+        # The last decode replay's graph size, first row's position and sequences, if nothing ran since; and each
+        # graph size's host rows of positions and settings (_replay)
         self._replayed, self._rows = None, {}
         self.overlapped = 0  # steps launched before the previous one's tokens were read
         # The host's time by phase of its steps (schedule, inputs, plan, launch, queue, finish, rest; and its waits on
