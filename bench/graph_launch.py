@@ -204,7 +204,7 @@ def engine_graphs(stage: str, cfg, folder: Path) -> list:
     finally:
         graphs.DUMP_DIR = None
     if stage == "thinker":
-        found = [("thinker decode", engine.graphs)]
+        found = [("thinker decode", engine.decode.graphs if engine.decode is not None else None)]
     else:
         found = [("talker frame step", engine.graphs), ("code predictor", engine.predictor.graphs)]
         found += [(f"code2wav of {frames} frames", c2w) for frames, (_, c2w) in sorted(engine.c2w_graphs.items())]

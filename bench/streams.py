@@ -46,13 +46,13 @@ def bodies(stage: str, cfg) -> list:
     engine = make_engine(cfg, getattr(cfg, stage).replicas[0].device)
     gen = torch.Generator(device=engine.device).manual_seed(0)
     if stage == "thinker":
-        if engine.graphs is None:
+        if engine.decode is None:
             raise SystemExit("the thinker captured no decode graphs (cuda_graph_max_batch 0, or no GPU engine)")
-        for inputs in engine.step_inputs.values():  # each batch size's ids and positions
+        for inputs in engine.decode.inputs.values():  # each batch size's ids and positions
             ids, pos = inputs.ints[0], inputs.ints[1]
             ids.copy_(torch.randint(0, engine.vocab, ids.shape, device=engine.device, generator=gen))
             pos.copy_(torch.arange(len(pos), device=engine.device) + 512)
-        return engine, [("thinker decode", engine.decode_body, engine.device)]
+        return engine, [("thinker decode", engine.decode.body, engine.device)]
     engine.predictor.hidden.normal_(generator=gen)
     engine.predictor.ints[0].random_(0, 2048, generator=gen)  # code 0 of every row
     return engine, [("code predictor frame", engine.predictor.body, engine.device)]

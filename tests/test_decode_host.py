@@ -20,6 +20,7 @@ from test_thinker_engine import CASES, N, expected, reference, run_staggered  # 
 
 from services.llm import graphs
 from services.model.load import load_config
+from services.thinker.decode import DecodeGraphs
 from services.thinker.engine import NativeThinker
 
 
@@ -99,8 +100,9 @@ def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeTh
     monkeypatch.setattr(graphs, "CapturedGraphs", EagerGraphs)
     engine = NativeThinker(tiny_model, **engine_args)
     tc = load_config(tiny_model).thinker_config.text_config
-    engine._capture(max_batch, engine.scheduler.allocator.num_blocks, tc.head_dim ** -0.5, tc.num_attention_heads, None)
-    engine.graphs.attention = engine.decode_attention
+    engine.decode = DecodeGraphs(engine, max_batch, engine.scheduler.allocator.num_blocks, tc.head_dim ** -0.5,
+                                 tc.num_attention_heads, None)
+    engine.decode.graphs.attention = engine.decode.attention
     return engine
 
 
@@ -130,12 +132,12 @@ def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, 
     (run_staggered if arrivals != "together" else run_together)(engine, seqs)
     for name, seq in zip(CASES, seqs):
         assert seq.generated == expected[name], name
-    wrappers = [a.wrapper for a in engine.decode_attention.values()]
-    assert engine.graphs.replays > N // 2
-    assert sum(a.advanced for a in engine.decode_attention.values()) >= N // 2 - 2
+    wrappers = [a.wrapper for a in engine.decode.attention.values()]
+    assert engine.decode.graphs.replays > N // 2
+    assert sum(a.advanced for a in engine.decode.attention.values()) >= N // 2 - 2
     if arrivals == "preempted":
         assert engine.scheduler.preemptions > 0
-    assert sum(w.direct_plans for w in wrappers) == (engine.graphs.replays if direct else 0)
+    assert sum(w.direct_plans for w in wrappers) == (engine.decode.graphs.replays if direct else 0)
     assert all(w.wrapper_plans == 1 for w in wrappers) if direct else sum(w.wrapper_plans for w in wrappers) > N
     if overlap:
         assert engine.overlapped >= N // 2

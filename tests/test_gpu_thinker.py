@@ -105,13 +105,13 @@ def test_captured_greedy_decode_agrees_with_transformers_over_256_steps(pair):
     seqs = [seq(f"d{i}", torch.randint(0, vocab, (n,), generator=gen), 256) for i, n in enumerate((300, 512, 700))]
     for s in seqs:
         engine.add(s)
-    replays, launches = engine.graphs.replays, []
+    replays, launches = engine.decode.graphs.replays, []
     while not all(s.done for s in seqs):
         engine.step(seqs)
         launches.append((engine.last_launch_s, engine.last_host_s))
     for s in seqs:
         engine.free(s)
-    assert engine.graphs.replays - replays >= 250  # every decode step after the prompts ran in a graph
+    assert engine.decode.graphs.replays - replays >= 250  # every decode step after the prompts ran in a graph
     # each step's time in launching its graph is part of its host time, and the decode steps' is not nothing
     assert all(0 <= launch <= host for launch, host in launches) and sum(launch > 0 for launch, _ in launches) >= 250
     for s in seqs:
@@ -236,16 +236,16 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     assert overlapped == plain
     # Again with the decode attention planned directly (decode_direct_plan): the same plans, the same tokens; and
     # steps of the last one's rows advanced its page table, not rebuilt
-    advanced = sum(a.advanced for a in engine.decode_attention.values())
-    for a in engine.decode_attention.values():
+    advanced = sum(a.advanced for a in engine.decode.attention.values())
+    for a in engine.decode.attention.values():
         a.direct_plan = True
     try:
         direct = run(True)
     finally:
-        for a in engine.decode_attention.values():
+        for a in engine.decode.attention.values():
             a.direct_plan = False
     assert direct == plain
-    assert sum(a.advanced for a in engine.decode_attention.values()) - advanced >= 20
+    assert sum(a.advanced for a in engine.decode.attention.values()) - advanced >= 20
 
 
 def test_overlapped_decode_steps_never_wait_on_a_blocking_copy(pair):

@@ -4,22 +4,22 @@ one forward per step over every scheduled sequence. Same requests and outputs as
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.context import step_context
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import Laps, StepInputs, upload, wait
+from services.llm.host import Laps, upload, wait
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
-from services.llm import pieces, sampling
+from services.llm import pieces
 from services.llm.sampling import CANDIDATES, sample_batch, tensor_drawable
 from services.llm.scheduler import Scheduler, SeqState, Work
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.model.spec import OmniSpec
 from services.runtime.errors import ResourceExhausted
+from services.thinker.decode import DecodeGraphs
 from services.thinker.model import ThinkerModel
 from services.thinker.reference import ThinkerSeq, ThinkerStep, stop_reason, validate
 
@@ -76,9 +76,6 @@ class NativeThinker:
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
         self._launched, self._launch_turn = [None, None], 0  # launched steps' token buffers and events (_launch_buffers)
-        # The last decode replay's graph size, first row's position and sequences, if nothing ran since; and each
-        # graph size's host rows of positions and settings (_replay)
-        self._replayed, self._rows = None, {}
         self.overlapped = 0  # steps launched before the previous one's tokens were read
         # The host's time by phase of its steps (schedule, inputs, plan, launch, queue, finish, rest; and its waits on
         # the device), summed.
@@ -118,42 +115,12 @@ class NativeThinker:
         else:
             self.attention = TorchAttention(self.cache, scale)
         self.states: dict[int, SeqState] = {}
-        self.graphs = None
+        self.decode: DecodeGraphs | None = None  # decode steps as CUDA graphs (services/thinker/decode.py)
         if cuda_graph_max_batch and self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
-            self._capture(min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace)
+            self.decode = DecodeGraphs(self, min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace)
         # Other steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
         self.pieces = pieces.build(self.model.model, self.cache, step_graphs, max_batched_tokens, moe, blocks * block_size,
                                    self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))
-
-    def _capture(self, max_batch: int, scratch: int, scale: float, heads: int, workspace) -> None:
-        """Decode steps as CUDA graphs: token ids and positions in, layer-0 embeddings, the talker's states
-        and logits out, for every batch size of the ladder."""
-        from services.llm.flashinfer_attention import DecodeAttention, split_kv
-        from services.llm.graphs import CapturedGraphs, ladder
-
-        sizes = ladder(max_batch)
-        # Each size's inputs, sent by one copy a step: ids, positions, top-k, seed, draw counter; temperature, top-p;
-        # then its attention's slots and page table (their buffers are the graph's), planned all padding for capture.
-        self.step_inputs, self.decode_attention = {}, {}
-        for b in sizes:
-            inputs = self.step_inputs[b] = StepInputs(5, 2, b, self.device, DecodeAttention.nbytes(b, self.cache))
-            self.decode_attention[b] = DecodeAttention(
-                self.cache, scale, heads, b, scratch, workspace, self.decode_tensor_cores,
-                split_kv(b, self.decode_split_kv_max_batch), self.decode_direct_plan, inputs.staging, inputs.extra_offset)
-            inputs.fill()
-            inputs.send(self.decode_attention[b].plan([]).sent)
-        draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
-
-        def body(b: int):
-            (ids, pos, top_k, seeds, counters), (temps, top_p) = self.step_inputs[b].ints, self.step_inputs[b].floats
-            with step_context(self.decode_attention[b], self.moe):
-                embeds = self.model.model.embed_tokens(ids)
-                hidden, captured = self.model(embeds, pos.float().expand(3, -1), capture_layer=self.accept_layer)
-                logits = self.model.lm_head(hidden)
-            return embeds, captured, logits, draw(logits, temps, top_k, top_p, seeds, counters, CANDIDATES)
-
-        self.decode_body = body  # what each decode graph records (bench.streams runs it on streams of its own)
-        self.graphs = CapturedGraphs(sizes, body, self.device)
 
     def _fitting_blocks(self, tc, block_size: int) -> int:
         per_block = KVCache.bytes_per_block(tc.num_hidden_layers, block_size, tc.num_key_value_heads, tc.head_dim, self.dtype)
@@ -170,7 +137,7 @@ class NativeThinker:
 
     @property
     def summary(self) -> str:
-        graphs = f"decode graphs up to {self.graphs.max_batch}" if self.graphs is not None else "no graphs"
+        graphs = f"decode graphs up to {self.decode.max_batch}" if self.decode is not None else "no graphs"
         if self.pieces is not None:
             graphs += f", steps of up to {self.pieces.max_tokens} tokens in {'graphs' if self.pieces.graphs else 'pieces'}"
         return (f"native (attention {self.attention_backend}, experts {self.moe}, {graphs}, "
@@ -207,7 +174,7 @@ class NativeThinker:
         t0 = time.perf_counter()
         self.laps.start()
         self.last_wait_s = 0.0
-        launched_s = self.graphs.launch_s if self.graphs is not None else 0.0
+        launched_s = self.decode.graphs.launch_s if self.decode is not None else 0.0
         work = self.scheduler.schedule()
         self.laps.lap("schedule")
         for w in work:  # a request's wait for its first step ends here
@@ -231,7 +198,7 @@ class NativeThinker:
         elapsed = time.perf_counter() - t0
         self.last_host_s = elapsed - self.last_wait_s  # the step's own work on the CPU, the device's wait excluded
         # Of which launching its graph (a wait inside the driver would show here, not in last_wait_s).
-        self.last_launch_s = (self.graphs.launch_s if self.graphs is not None else 0.0) - launched_s
+        self.last_launch_s = (self.decode.graphs.launch_s if self.decode is not None else 0.0) - launched_s
         for w in work:
             if w.start < w.seq.owner.prompt_len:
                 w.seq.owner.prefill_seconds += elapsed
@@ -242,7 +209,8 @@ class NativeThinker:
     def _step(self, work: list[Work]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
         if self._graphable(work):
             return self._graph_step(work)
-        self._replayed = None  # a step between replays: the next is not the last one's rows a token on
+        if self.decode is not None:
+            self.decode.forget()
         embeds, positions, ds_rows, ds_values = self._inputs(work)
         capture = self.accept_layer if any(w.seq.owner.return_states for w in work) else None
         attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work])
@@ -304,15 +272,16 @@ class NativeThinker:
         # Speech requests get the row's states (input embedding, accept layer) with its token, once per position.
         states, drawn, sending = None, None, any(send)
         # Its rows all decode their last token (_overlappable): a graph's if one is that large
-        if self.graphs is not None and n <= self.graphs.max_batch:
-            embeds, captured, logits, drawn = self._replay(work, ids, counters, planned)
+        if self.decode is not None and n <= self.decode.max_batch:
+            embeds, captured, logits, drawn = self.decode.replay(work, ids, counters, self.laps, planned)
             logits, drawn = logits[:n], drawn[:n] if drawable else None
             if sending:  # the next replay overwrites them: copied out (to the host below, or here)
                 states = embeds[:n], captured[:n]
                 if not (self.host_states and embeds.is_cuda):
                     states = tuple(t.clone() for t in states)
         else:
-            self._replayed = None
+            if self.decode is not None:
+                self.decode.forget()
             positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
             attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
             if planned is not None:
@@ -388,55 +357,13 @@ class NativeThinker:
 
     def _graphable(self, work: list[Work]) -> bool:
         """Every sequence decodes the one token it generated last (no prompt rows, which may carry media)."""
-        return (self.graphs is not None and len(work) <= self.graphs.max_batch
+        return (self.decode is not None and len(work) <= self.decode.max_batch
                 and all(w.n == 1 and w.start >= w.seq.owner.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work))
-
-    def _replay(self, work: list[Work], ids, counters: list[int], planned=None) -> tuple:
-        """The decode graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters),
-        replayed; `planned` is recorded once the attention plan's copies are queued. Returns (input embeddings,
-        accept-layer states, logits, tokens drawn), valid until the next replay."""
-        n = len(work)
-        b = self.graphs.size_for(n)
-        inputs = self.step_inputs[b]
-        ints, floats = inputs.fill()
-        # Padding rows keep what the buffer last held for them (settings and ids of earlier rows, or zeros): they
-        # only touch the scratch block, and their outputs are dropped.
-        device_ids = isinstance(ids, torch.Tensor)
-        if not device_ids:
-            ints[0, :n] = ids
-        # The last replay's rows one token on (the same sequences, nothing else run between): positions advanced
-        # and settings kept, the page table advanced, not rebuilt (DecodeAttention.plan).
-        seqs = [w.seq for w in work]
-        mark = (b, work[0].start, seqs)
-        last = self._replayed
-        steady = last is not None and last[:2] == (b, mark[1] - 1) and last[2] == seqs
-        int_rows, float_rows = self._rows.setdefault(b, (np.zeros((3, b), np.int64), np.zeros((2, b), np.float32)))
-        if steady:
-            int_rows[0, :n] += 1
-        else:  # positions, top-k, seeds; temperatures, top-p
-            params = [s.owner.params for s in seqs]
-            int_rows[:, :n] = ([w.start + w.seq.owner.rope_delta for w in work], [p.top_k for p in params],
-                               [p.seed & (2**63 - 1) for p in params])
-            float_rows[:, :n] = [p.temperature for p in params], [p.top_p for p in params]
-        ints[1:4, :n] = int_rows[:, :n]
-        ints[4, :n] = counters
-        floats[:, :n] = float_rows[:, :n]
-        self.laps.lap("inputs")
-        attention = self.decode_attention[b].plan([SeqSlice(s.blocks, w.start, 1) for s, w in zip(seqs, work)], steady)
-        self._replayed = mark  # cleared by any other forward (_step, _launch)
-        inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
-        if device_ids:  # the pending step's tokens, copied on the device after the buffer's copy lands
-            inputs.ints[0, :n] = ids
-        if planned is not None:
-            planned.record(torch.cuda.current_stream(self.device))
-        self.laps.lap("plan")
-        out = self.graphs.replay(b)
-        self.laps.lap("launch")
-        return out
 
     def _graph_step(self, work: list[Work]):
         counters = [len(w.seq.owner.generated) for w in work]
-        embeds, captured, logits, drawn = self._replay(work, [w.seq.tokens[w.start] for w in work], counters)
+        embeds, captured, logits, drawn = self.decode.replay(work, [w.seq.tokens[w.start] for w in work], counters,
+                                                             self.laps)
         self.scheduler.advance(work)
         n = len(work)
         if captured is not None and any(w.seq.owner.return_states for w in work):  # the next replay overwrites them
