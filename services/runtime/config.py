@@ -210,6 +210,10 @@ class LMStageConfig(EngineStageConfig):
     # module's plan called directly, the wrapper's checks, conversions and three copies skipped. The thinker's is on
     # (ThinkerConfig); the talker's is off until measured.
     decode_direct_plan: bool = False
+    # The engine's waits on the device poll it rather than sleep in the driver (services.llm.host.wait), its thread
+    # keeping a core busy and the interpreter lock between polls. The thinker's is on (ThinkerConfig); the talker's
+    # is off until measured.
+    spin_wait: bool = False
     # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, the thinker's multimodal rows) of
     # up to this many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
     # (services/llm/pieces.py: flashinfer attention, grouped or triton experts); on the CPU the same pieces run
@@ -226,7 +230,7 @@ class LMStageConfig(EngineStageConfig):
                     cuda_graph_max_batch=self.cuda_graph_max_batch, decode_tensor_cores=self.decode_tensor_cores,
                     decode_split_kv_max_batch=self.decode_split_kv_max_batch,
                     decode_direct_plan=self.decode_direct_plan and self.decode_tensor_cores,
-                    step_graphs=self.step_graphs, compile=self.compile)
+                    spin_wait=self.spin_wait, step_graphs=self.step_graphs, compile=self.compile)
 
 
 @dataclass
@@ -247,15 +251,15 @@ class ThinkerConfig(LMStageConfig):
     # On for the thinker (LMStageConfig): its host step at 32 requests took 1.01 ms against 1.63 through flashinfer's
     # wrapper on one machine, 1.11 and 1.29 against 2.26 on another (bench/results/README.md, "Session 20").
     decode_direct_plan: bool = True
-    # The engine's waits on the device poll it rather than sleep in the driver (services.llm.host.wait: after a
-    # sleep as long as a decode step, the host's next step ran at half speed; polling, its host step at 32 requests
-    # took 0.53 ms against 1.1-1.6). The engine's thread keeps a core busy, and the interpreter lock between polls.
+    # On for the thinker (LMStageConfig): after a sleep as long as a decode step, the host's next step ran at half
+    # speed; polling, its host step at 32 requests took 0.53 ms against 1.1-1.6 (bench/results/README.md,
+    # "Session 20").
     spin_wait: bool = True
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
-                "host_states": self.host_states, "spin_wait": self.spin_wait}
+                "host_states": self.host_states}
 
 
 @dataclass

@@ -81,7 +81,7 @@ class NativeTalker(SpeechEngine):
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
                  code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
                  step_graphs: int = 0, decode_tensor_cores: bool = True, decode_split_kv_max_batch: int = -1,
-                 decode_direct_plan: bool = False,
+                 decode_direct_plan: bool = False, spin_wait: bool = False,
                  code2wav_fuse: bool = False, code2wav_native: bool = False, frames_first: bool = False):
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
@@ -100,6 +100,7 @@ class NativeTalker(SpeechEngine):
         super().__init__(talker, model_dir, device, dtype, load_format, seed,
                          (first_chunk_frames, chunk_frames, left_context_frames, chunk_growth), code2wav_dtype, code2wav_fuse,
                          code2wav_native)
+        self.spin_wait = spin_wait  # its waits on the device poll, not sleep (SpeechEngine.wait)
         text, cp = config.talker_config.text_config, config.talker_config.code_predictor_config
         blocks = kv_blocks or self._fitting_blocks(text, block_size)
         # One block more than the allocator hands out: padding rows of captured steps write there.

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from services.llm.host import Laps, upload, upload_into
+from services.llm.host import Laps, upload, upload_into, wait
 from services.llm.mrope import Layout, mrope_positions, tokens_from_config
 from services.llm.sampling import SamplingParams
 from services.model.load import load_component
@@ -112,9 +112,10 @@ def reached(m) -> bool:
     return not hasattr(m, "query") or m.query()
 
 
-def wait_for(m) -> None:
+def wait_for(m, spin: bool = False) -> None:
+    """Until the device reaches the mark `m` (nothing to wait for off a GPU); `spin`: polling (host.wait)."""
     if hasattr(m, "synchronize"):
-        m.synchronize()
+        wait(m, spin)
 
 
 def seconds_between(a, b) -> float:
@@ -169,6 +170,7 @@ class SpeechEngine:
         self.vocoding: deque[Vocoding] = deque()  # launched, in launch order (the order they complete in)
         self.live: set[int] = set()  # requests added and not freed: chunks of freed ones are dropped
         self.waited_s = 0.0  # the host's time blocked on the device (`wait`), for the benchmark's host/wait split
+        self.spin_wait = False  # waits on the device poll, not sleep (talker.spin_wait, set by the native engine)
         # The host's time by phase of its steps (the native engine's: admit, inputs, schedule, plan, launch, sample,
         # queue, read, vocode, rest; and its waits on the device), summed.
         self.laps = Laps()
@@ -246,7 +248,7 @@ class SpeechEngine:
     def wait(self, m) -> None:
         """wait_for(m), its time counted in `waited_s`."""
         t = time.perf_counter()
-        wait_for(m)
+        wait_for(m, self.spin_wait)
         t = time.perf_counter() - t
         self.waited_s += t
         self.laps.waited(t)
