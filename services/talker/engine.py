@@ -442,8 +442,7 @@ class NativeTalker(SpeechEngine):
         n = len(work)
         b = self.graphs.size_for(n)
         self.decode_x[:n] = self._step_inputs(work)
-        pos = torch.tensor([w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n), dtype=torch.long)
-        upload_into(self.decode_pos[:b], pos)
+        upload_into(self.decode_pos[:b], [w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n))
         self.laps.lap("inputs")
         if self.planned is not None:
             self.wait(self.planned)

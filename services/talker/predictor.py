@@ -46,9 +46,9 @@ class PredictorFrames:
         graph = self.graphs is not None and n <= self.graphs.max_batch
         b = self.graphs.size_for(n) if graph else n
         params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy
-        ints = torch.tensor([[p.top_k or self.top_k for p in params], [p.seed & (2**63 - 1) for p in params],
-                             [(len(s.frames) + s.frames_unread) * self.groups for s in seqs] + [0] * (b - n)])  # frame index
-        upload_into(self.ints[1:, :b], ints)
+        # Host lists through numpy (upload_into): torch.tensor() converts them element by element
+        upload_into(self.ints[1:, :b], [[p.top_k or self.top_k for p in params], [p.seed & (2**63 - 1) for p in params],
+                                        [(len(s.frames) + s.frames_unread) * self.groups for s in seqs] + [0] * (b - n)])
         upload_into(self.floats[:, :b], [[p.temperature for p in params], [p.top_p for p in params]])
         self.ints[0, :n] = code0
         self.hidden[:n] = hidden
