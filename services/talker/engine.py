@@ -447,8 +447,9 @@ class NativeTalker(SpeechEngine):
         if self.planned is not None:
             self.wait(self.planned)
         self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
-        self.planned = torch.cuda.Event()
-        self.planned.record(torch.cuda.current_stream(self.device))
+        if self.device.type == "cuda":
+            self.planned = torch.cuda.Event()
+            self.planned.record(torch.cuda.current_stream(self.device))
         self.laps.lap("plan")
         drawn = self._first_drawable([w.seq.owner for w in work])
         if drawn:

@@ -1,0 +1,46 @@
+"""The talker's captured frame step, host side, on the CPU: its decode graphs' inputs (rows, positions, the first
+codes' draw settings) and attention plans, and the code predictor's frame graphs' settings, with flashinfer and CUDA
+graphs stood in as in tests/test_decode_host.py (the real ones: tests/test_gpu_talker.py, marked gpu). With any
+of what the host puts in the buffers the graphs read wrong, the codes leave transformers' greedy ones."""
+
+import pytest
+
+from test_decode_host import EagerGraphs, stand_in_flashinfer
+from test_talker_engine import FRAMES, cases, speak  # noqa: F401 (fixture)
+
+from services.llm import graphs
+from services.llm.graphs import ladder
+from services.model.load import load_config
+from services.talker.engine import NativeTalker
+
+
+def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeTalker:
+    """A native talker on the CPU whose decode steps and predictor frames replay "graphs" up to `max_batch`."""
+    stand_in_flashinfer(monkeypatch)
+    monkeypatch.setattr(graphs, "CapturedGraphs", EagerGraphs)
+    engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, **engine_args)
+    sizes = ladder(max_batch)
+    engine.predictor.capture(sizes)
+    engine.workspace = None
+    engine._capture(sizes, engine.scheduler.allocator.num_blocks, load_config(tiny_model).talker_config.text_config)
+    engine.graphs.attention = engine.decode_attention
+    return engine
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("graph_sampling", [False, True])
+def test_captured_frame_steps_give_transformers_codes(tiny_model, cases, monkeypatch, direct, overlap, graph_sampling):
+    """Four requests at once, every thinker state given: their frame steps in decode graphs of 4 rows (padded once
+    requests end), first codes drawn inside the graph or after it, the predictor's frames in its graphs."""
+    data, spec = cases
+    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct, block_size=4,
+                      graph_sampling=graph_sampling)
+    seqs, _ = speak(engine, data, spec, list(data))
+    for name, seq in seqs.items():
+        assert seq.frames == data[name]["codes"] and seq.frames, name
+    assert engine.graphs.replays >= FRAMES - 1 and engine.predictor.graphs.replays >= FRAMES
+    assert (engine.graph_draws > 0) == graph_sampling
+    wrappers = [a.wrapper for a in engine.decode_attention.values()]
+    assert sum(w.direct_plans for w in wrappers) == (engine.graphs.replays if direct else 0)
+    assert engine.scheduler.allocator.used == 0 and not engine.states
