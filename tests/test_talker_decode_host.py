@@ -42,5 +42,8 @@ def test_captured_frame_steps_give_transformers_codes(tiny_model, cases, monkeyp
     assert engine.graphs.replays >= FRAMES - 1 and engine.predictor.graphs.replays >= FRAMES
     assert (engine.graph_draws > 0) == graph_sampling
     wrappers = [a.wrapper for a in engine.decode_attention.values()]
-    assert sum(w.direct_plans for w in wrappers) == (engine.graphs.replays if direct else 0)
+    # every replay's plan direct, and the capture's second (both staging buffers filled)
+    assert sum(w.direct_plans for w in wrappers) == (engine.graphs.replays + len(wrappers) if direct else 0)
+    if direct:
+        assert all(w.wrapper_plans == 1 for w in wrappers)
     assert engine.scheduler.allocator.used == 0 and not engine.states

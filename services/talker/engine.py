@@ -14,7 +14,7 @@ import torch
 from services.llm import pieces, sampling
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import scalar, upload, upload_into
+from services.llm.host import StepInputs, scalar, upload
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
@@ -167,31 +167,35 @@ class NativeTalker(SpeechEngine):
         from services.llm.graphs import CapturedGraphs
 
         self.decode_x = torch.zeros(sizes[-1], text.hidden_size, dtype=self.dtype, device=self.device)
-        self.decode_pos = torch.zeros(sizes[-1], dtype=torch.long, device=self.device)
-        # The first codes' draw (graph_sampling): per row its slot in `seen` (padding: the spare last row), top-k,
-        # seed, counter, whether the end code is banned; temperature, top-p, repetition penalty.
-        self.decode_draw = (torch.zeros(5, sizes[-1], dtype=torch.long, device=self.device),
-                            torch.ones(3, sizes[-1], device=self.device))
-        self.decode_draw[0][0] = len(self.seen) - 1
         self.graph_seen = self.seen  # the tensor the graphs read: a step draws in them only while it is the one
         vocab = self.talker.codec_head.out_features
         self.suppress_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
         self.suppress_mask[self.suppress] = True
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
         self.eos_mask[self.codec_eos] = True
-        split = self.decode_split_kv_max_batch
-        self.decode_attention = {b: DecodeAttention(self.cache, text.head_dim ** -0.5, text.num_attention_heads, b, scratch,
-                                                    self.workspace, self.decode_tensor_cores, split_kv(b, split),
-                                                    self.decode_direct_plan).plan([])
-                                 for b in sizes}
+        # Each size's inputs from the host, sent by one copy a step (StepInputs): positions; the first codes' draw
+        # (graph_sampling): per row its slot in `seen` (padding: the spare last row), top-k, seed, counter, whether
+        # the end code is banned; temperature, top-p, repetition penalty; then its attention's slots and page table
+        # (their buffers are the graph's), planned all padding for capture.
+        split, self.decode_inputs, self.decode_attention = self.decode_split_kv_max_batch, {}, {}
+        for b in sizes:
+            inputs = self.decode_inputs[b] = StepInputs(6, 3, b, self.device, DecodeAttention.nbytes(b, self.cache))
+            self.decode_attention[b] = DecodeAttention(
+                self.cache, text.head_dim ** -0.5, text.num_attention_heads, b, scratch, self.workspace,
+                self.decode_tensor_cores, split_kv(b, split), self.decode_direct_plan, inputs.staging, inputs.extra_offset)
+            for _ in range(2):  # both staging buffers: what rows not drawn in the graph read until a step fills them
+                ints, floats = inputs.fill()
+                ints[1], floats[:] = len(self.seen) - 1, 1.0
+                inputs.send(self.decode_attention[b].plan([]).sent)
 
         def body(b: int):
+            (pos, slots, top_k, seeds, counters, no_eos), (temps, top_p, pen) = self.decode_inputs[b].ints, \
+                self.decode_inputs[b].floats
             with step_context(self.decode_attention[b], self.moe):
-                hidden = self.talker.model(self.decode_x[:b], self.decode_pos[:b].float().expand(3, -1))
+                hidden = self.talker.model(self.decode_x[:b], pos.float().expand(3, -1))
                 logits = self.talker.codec_head(hidden)
             if not self.draws_captured:
                 return hidden, logits
-            (slots, top_k, seeds, counters, no_eos), (temps, top_p, pen) = self.decode_draw[0][:, :b], self.decode_draw[1][:, :b]
             return hidden, logits, draw_first(logits, self.seen[slots], pen, self.suppress_mask, no_eos, self.eos_mask,
                                               temps, top_k, top_p, seeds, counters)
 
@@ -408,8 +412,8 @@ class NativeTalker(SpeechEngine):
         if caught_up:  # their first codes, sampled on the device, and their frames straight after
             seqs = [work[i].seq.owner for i in caught_up]
             if drawn is not None:  # drawn in the graph: only marking them seen is left
-                self.seen[self.decode_draw[0][0, :len(seqs)], drawn] = self.drawn_mark
-                code0 = drawn
+                code0, slots = drawn
+                self.seen[slots, code0] = self.drawn_mark
                 self.graph_draws += 1
             else:
                 code0 = self._sample_first(seqs, logits)
@@ -437,35 +441,36 @@ class NativeTalker(SpeechEngine):
         return (self.graphs is not None and len(work) <= self.graphs.max_batch
                 and all(w.n == 1 and w.start >= w.seq.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work))
 
-    def _graph_rows(self, work: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states and codec logits of a decode step, replayed from its graph."""
+    def _graph_rows(self, work: list) -> tuple:
+        """Hidden states and codec logits of a decode step, replayed from its graph (and the first codes drawn in
+        it, where they stand for every row's, with the rows' slots in `seen` on the device)."""
         n = len(work)
         b = self.graphs.size_for(n)
         self.decode_x[:n] = self._step_inputs(work)
-        upload_into(self.decode_pos[:b], [w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n))
-        self.laps.lap("inputs")
-        if self.planned is not None:
-            self.wait(self.planned)
-        self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
-        if self.device.type == "cuda":
-            self.planned = torch.cuda.Event()
-            self.planned.record(torch.cuda.current_stream(self.device))
-        self.laps.lap("plan")
+        inputs = self.decode_inputs[b]
+        ints, floats = inputs.fill()
+        ints[0] = [w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n)
         drawn = self._first_drawable([w.seq.owner for w in work])
         if drawn:
             seqs, pad = [w.seq.owner for w in work], [0] * (b - n)
             params = [s.params for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy, on the spare row of `seen`
-            upload_into(self.decode_draw[0][:, :b], [
-                [self.states[id(s)].slot for s in seqs] + [len(self.seen) - 1] * (b - n), [p.top_k for p in params],
-                [p.seed & (2**63 - 1) for p in params], [len(s.frames) + s.frames_unread for s in seqs] + pad,
-                [int(p.ignore_eos) for p in params]])
-            upload_into(self.decode_draw[1][:, :b], [[p.temperature for p in params], [p.top_p for p in params],
-                                                     [p.repetition_penalty for p in params]])
+            ints[1:] = ([self.states[id(s)].slot for s in seqs] + [len(self.seen) - 1] * (b - n), [p.top_k for p in params],
+                        [p.seed & (2**63 - 1) for p in params], [len(s.frames) + s.frames_unread for s in seqs] + pad,
+                        [int(p.ignore_eos) for p in params])
+            floats[:] = [p.temperature for p in params], [p.top_p for p in params], [p.repetition_penalty for p in params]
         self.laps.lap("inputs")
+        if self.planned is not None:
+            self.wait(self.planned)
+        attention = self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
+        inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
+        if self.device.type == "cuda":
+            self.planned = torch.cuda.Event()
+            self.planned.record(torch.cuda.current_stream(self.device))
+        self.laps.lap("plan")
         hidden, logits, *code0 = self.graphs.replay(b)
         self.laps.lap("launch")
         # valid until the next replay: the predictor copies the states before it
-        return hidden[:n], logits[:n], code0[0][:n] if drawn else None
+        return hidden[:n], logits[:n], (code0[0][:n], inputs.ints[1, :n]) if drawn else None
 
     def _step_inputs(self, work: list) -> torch.Tensor:
         """The inputs [n, D] of a captured step's rows (each its request's last input): this step's queued ones
