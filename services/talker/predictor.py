@@ -8,7 +8,7 @@ import torch
 from services.llm import sampling
 from services.llm.attention import DenseAttention
 from services.llm.context import step_context
-from services.llm.host import Laps, upload_into
+from services.llm.host import Laps, StepInputs
 from services.llm.sampling import SamplingParams
 from services.talker.speech import PREDICTOR_SAMPLING
 
@@ -24,8 +24,9 @@ class PredictorFrames:
         self.attention = DenseAttention(torch.zeros(shape, dtype=dtype, device=device),
                                         torch.zeros(shape, dtype=dtype, device=device), config.head_dim ** -0.5)
         self.hidden = torch.zeros(max_seqs, hidden_size, dtype=dtype, device=device)  # the talker's last states
-        self.ints = torch.zeros(4, max_seqs, dtype=torch.long, device=device)  # code 0, top-k, seed, counter base
-        self.floats = torch.zeros(2, max_seqs, device=device)  # temperature, top-p
+        # code 0, top-k, seed, counter base; temperature, top-p: the settings from the host by one copy a frame
+        self.inputs = StepInputs(4, 2, max_seqs, device)
+        self.ints, self.floats = self.inputs.ints, self.inputs.floats
         self.top_k = PREDICTOR_SAMPLING.top_k or config.vocab_size  # the widest top-k a row may use
         # The rotary tables [G, D] for its positions 0..G-1, the same every frame: made once, not in each of its 15
         # steps (some ten small kernels a step).
@@ -46,11 +47,12 @@ class PredictorFrames:
         graph = self.graphs is not None and n <= self.graphs.max_batch
         b = self.graphs.size_for(n) if graph else n
         params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy
-        # Host lists through numpy (upload_into): torch.tensor() converts them element by element
-        upload_into(self.ints[1:, :b], [[p.top_k or self.top_k for p in params], [p.seed & (2**63 - 1) for p in params],
-                                        [(len(s.frames) + s.frames_unread) * self.groups for s in seqs] + [0] * (b - n)])
-        upload_into(self.floats[:, :b], [[p.temperature for p in params], [p.top_p for p in params]])
-        self.ints[0, :n] = code0
+        ints, floats = self.inputs.fill()
+        ints[1:, :b] = ([p.top_k or self.top_k for p in params], [p.seed & (2**63 - 1) for p in params],
+                        [(len(s.frames) + s.frames_unread) * self.groups for s in seqs] + [0] * (b - n))
+        floats[:, :b] = [p.temperature for p in params], [p.top_p for p in params]
+        self.inputs.send()
+        self.ints[0, :n] = code0  # on the device, after the copy
         self.hidden[:n] = hidden
         if b > n:  # zeroed in place (a Python 0 assigned might be copied over from host memory first)
             self.ints[0, n:b].zero_()
