@@ -123,7 +123,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     # Ctrl-C (SIGINT) stops the mesh even where the launcher was started with SIGINT ignored (a background job
     # of a script inherits that, and Python then leaves it ignored): its KeyboardInterrupt, from anywhere below.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Once: a second one (Ctrl-C pressed again, or `timeout -s INT`, which signals the process group as well) would
+    # cut the stop short, the stages' exit codes unread.
+    def interrupt(*_):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
     config = write_overridden(args.config, args.set, REPO_ROOT / ".cache" / f"launch-{Path(args.config).stem}-{os.getpid()}.yaml")
     mesh = Mesh(config, args.log_dir)
     log.info("starting %d processes of %s (logs in %s)", len(mesh.processes()), mesh.config_path.name, mesh.log_dir)

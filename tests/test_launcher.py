@@ -61,7 +61,8 @@ def test_stages_die_with_a_killed_launcher(tiny_model, tmp_path):
 
 
 def test_launch_with_overrides(tiny_model, tmp_path):
-    """--set reaches every stage: they read the overridden config (here, the native engines)."""
+    """--set reaches every stage: they read the overridden config (here, the native engines). Ctrl-C pressed twice
+    stops the mesh as cleanly as once."""
     config = write_config(tmp_path / "set.yaml", tiny_model, encoders=1)
     proc = subprocess.Popen([sys.executable, "-m", "services.launch", "--config", str(config), "--log-dir", str(tmp_path / "logs"),
                              "--set", "thinker.engine=native", "--set", "talker.engine=native"],
@@ -74,8 +75,11 @@ def test_launch_with_overrides(tiny_model, tmp_path):
         assert line, "launcher exited:\n" + "".join(lines)
         lines.append(line)
     proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, "".join(lines) + rest
+    assert re.search(r"stopped: gateway-0=0, preprocess-0=0, encoder-0=0, thinker-0=0, talker-0=0", rest), rest
     for stage in ("thinker", "talker"):
         assert "engine: native" in (tmp_path / "logs" / f"{stage}-0.log").read_text(), stage
 
