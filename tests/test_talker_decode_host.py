@@ -32,7 +32,8 @@ def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeTa
 @pytest.mark.parametrize("graph_sampling", [False, True])
 def test_captured_frame_steps_give_transformers_codes(tiny_model, cases, monkeypatch, direct, overlap, graph_sampling):
     """Four requests at once, every thinker state given: their frame steps in decode graphs of 4 rows (padded once
-    requests end), first codes drawn inside the graph or after it, the predictor's frames in its graphs."""
+    requests end; a step of the last one's requests advances its page table), first codes drawn inside the graph
+    or after it, the predictor's frames in its graphs."""
     data, spec = cases
     engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct, block_size=4,
                       graph_sampling=graph_sampling)
@@ -41,9 +42,23 @@ def test_captured_frame_steps_give_transformers_codes(tiny_model, cases, monkeyp
         assert seq.frames == data[name]["codes"] and seq.frames, name
     assert engine.graphs.replays >= FRAMES - 1 and engine.predictor.graphs.replays >= FRAMES
     assert (engine.graph_draws > 0) == graph_sampling
+    assert sum(a.advanced for a in engine.decode_attention.values()) >= FRAMES // 2  # steady plans
     wrappers = [a.wrapper for a in engine.decode_attention.values()]
     # every replay's plan direct, and the capture's second (both staging buffers filled)
     assert sum(w.direct_plans for w in wrappers) == (engine.graphs.replays + len(wrappers) if direct else 0)
     if direct:
         assert all(w.wrapper_plans == 1 for w in wrappers)
+    assert engine.scheduler.allocator.used == 0 and not engine.states
+
+
+def test_captured_frame_steps_of_preempted_requests_give_transformers_codes(tiny_model, cases, monkeypatch):
+    """A cache of 20 blocks of 4 tokens, too few for all four requests: some are preempted and recomputed between
+    frame steps, each resumed step's plan rebuilt."""
+    data, spec = cases
+    engine = captured(tiny_model, monkeypatch, 4, overlap=True, decode_direct_plan=True, graph_sampling=True,
+                      kv_blocks=20, block_size=4, max_batched_tokens=8)
+    seqs, _ = speak(engine, data, spec, list(data))
+    for name, seq in seqs.items():
+        assert seq.frames == data[name]["codes"] and seq.frames, name
+    assert engine.scheduler.preemptions > 0 and engine.graphs.replays >= FRAMES - 1
     assert engine.scheduler.allocator.used == 0 and not engine.states
