@@ -160,3 +160,20 @@ def test_a_graph_of_few_rows_over_a_full_cache_has_room_for_its_padding_pages(mo
     assert attention.indices[:10].tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 8]
     assert attention.last.tolist() == [4, 4, 1, 1] and attention.slot_mapping.tolist() == [27, 31, 32, 32]
     assert attention.wrapper.direct_plans == direct
+
+
+def test_a_replay_is_steady_only_for_the_last_ones_rows_one_token_on():
+    from services.llm.flashinfer_attention import Replays
+    from services.llm.scheduler import SeqState, Work
+
+    a, b = SeqState(tokens=[]), SeqState(tokens=[])
+    replays = Replays()
+    assert not replays.steady(4, [Work(a, 10, 1), Work(b, 20, 1)])  # nothing before it
+    assert replays.steady(4, [Work(a, 11, 1), Work(b, 21, 1)])
+    assert not replays.steady(4, [Work(a, 11, 1), Work(b, 21, 1)])  # not a token on
+    assert not replays.steady(4, [Work(b, 22, 1), Work(a, 12, 1)])  # other rows first
+    assert not replays.steady(8, [Work(b, 23, 1), Work(a, 13, 1)])  # another graph
+    assert not replays.steady(8, [Work(b, 24, 1)])  # fewer rows
+    assert replays.steady(8, [Work(b, 25, 1)])
+    replays.forget()  # a step outside the graphs
+    assert not replays.steady(8, [Work(b, 26, 1)])

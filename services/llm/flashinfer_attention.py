@@ -115,6 +115,24 @@ class _Table:
         return True
 
 
+class Replays:
+    """Whether a decode replay takes the last one's rows one token on (what DecodeAttention.plan's `steady` vouches
+    for): the same graph size and sequences in the same order, its first row one position further, and no other
+    step run between (the engine calls forget() for those)."""
+
+    def __init__(self):
+        self._last = None  # (graph size, first row's position, sequences) of the last replay
+
+    def forget(self) -> None:
+        self._last = None
+
+    def steady(self, b: int, work: list) -> bool:
+        """For a replay of `work` (scheduler Work rows) in the graph of size `b`, about to run; remembered as the last."""
+        seqs, last = [w.seq for w in work], self._last
+        self._last = b, work[0].start, seqs
+        return last is not None and last[:2] == (b, work[0].start - 1) and last[2] == seqs
+
+
 def _slots(slices: list[SeqSlice], block_size: int) -> list[int]:
     out = []
     for s in slices:

@@ -136,7 +136,7 @@ class NativeTalker(SpeechEngine):
         # pinned host buffer of its own, which the next plan rewrites, so that copy must have run first (with
         # overlap it is queued behind the step the device is running; done by then in practice, not by rule).
         self.planned = None
-        self.replayed = None  # the last decode replay's graph size, first row's position and requests, if none ran since
+        self.replays = None  # whether a decode replay is the last one's requests an input on (Replays, _capture)
         # This step's frame inputs as _queue_inputs stacked them, and the row of each request's (by id of its
         # state): a captured step taking them takes that tensor, not each request's row joined again.
         self.queued: tuple[torch.Tensor, dict[int, int]] | None = None
@@ -164,7 +164,7 @@ class NativeTalker(SpeechEngine):
     def _capture(self, sizes: list[int], scratch: int, text) -> None:
         """The talker's decode steps (one input row per request, positions equal on the three M-RoPE rows)
         as CUDA graphs: input rows and positions in, hidden states and codec logits out."""
-        from services.llm.flashinfer_attention import DecodeAttention, split_kv
+        from services.llm.flashinfer_attention import DecodeAttention, Replays, split_kv
         from services.llm.graphs import CapturedGraphs
 
         self.decode_x = torch.zeros(sizes[-1], text.hidden_size, dtype=self.dtype, device=self.device)
@@ -179,6 +179,7 @@ class NativeTalker(SpeechEngine):
         # the end code is banned; temperature, top-p, repetition penalty; then its attention's slots and page table
         # (their buffers are the graph's), planned all padding for capture.
         split, self.decode_inputs, self.decode_attention = self.decode_split_kv_max_batch, {}, {}
+        self.replays = Replays()
         for b in sizes:
             inputs = self.decode_inputs[b] = StepInputs(6, 3, b, self.device, DecodeAttention.nbytes(b, self.cache))
             self.decode_attention[b] = DecodeAttention(
@@ -403,7 +404,8 @@ class NativeTalker(SpeechEngine):
                 rows = upload(caught_up, self.device, torch.long)
                 h, logits, drawn = h[rows], logits[rows], None
         else:
-            self.replayed = None  # a step outside the graphs: the next replay's plan is rebuilt
+            if self.replays is not None:  # a step outside the graphs: the next replay's plan is rebuilt
+                self.replays.forget()
             hidden = self._rows(work)
             last = list(itertools.accumulate(w.n for w in work))
             h = hidden[upload([last[i] - 1 for i in caught_up], self.device, torch.long)] if caught_up else None
@@ -464,11 +466,8 @@ class NativeTalker(SpeechEngine):
         if self.planned is not None:
             self.wait(self.planned)
         # The last replay's requests one input on (nothing else run between): its page table advanced, not rebuilt
-        seqs = [w.seq for w in work]
-        mark, last = (b, work[0].start, seqs), self.replayed
-        steady = last is not None and last[:2] == (b, mark[1] - 1) and last[2] == seqs
-        attention = self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work], steady)
-        self.replayed = mark
+        attention = self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work],
+                                                  self.replays.steady(b, work))
         inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
         if self.device.type == "cuda":
             self.planned = torch.cuda.Event()

@@ -23,7 +23,7 @@ class DecodeGraphs:
     each graph reads; `body` is what each one records (bench.streams runs it on streams of its own)."""
 
     def __init__(self, engine, max_batch: int, scratch: int, scale: float, heads: int, workspace):
-        from services.llm.flashinfer_attention import DecodeAttention, split_kv
+        from services.llm.flashinfer_attention import DecodeAttention, Replays, split_kv
         from services.llm.graphs import CapturedGraphs, ladder
 
         sizes = ladder(max_batch)
@@ -51,9 +51,9 @@ class DecodeGraphs:
 
         self.body = body
         self.device = engine.device
-        # The last replay's graph size, first row's position and sequences, unless a step ran since (forget());
-        # each size's host rows of positions and settings
-        self._last, self._rows = None, {}
+        # Whether a replay is the last one's rows a token on (forget(): a step ran outside the graphs); each size's
+        # host rows of positions and settings
+        self.replays, self._rows = Replays(), {}
         self.graphs = CapturedGraphs(sizes, body, engine.device)
 
     @property
@@ -62,7 +62,7 @@ class DecodeGraphs:
 
     def forget(self) -> None:
         """A step ran outside the graphs: the next replay is not the last one's rows a token on."""
-        self._last = None
+        self.replays.forget()
 
     def replay(self, work: list[Work], ids, counters: list[int], laps: Laps, planned=None) -> tuple:
         """The graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters), replayed;
@@ -79,15 +79,12 @@ class DecodeGraphs:
             ints[0, :n] = ids
         # The last replay's rows one token on (the same sequences, nothing else run between): positions advanced
         # and settings kept, the page table advanced, not rebuilt (DecodeAttention.plan).
-        seqs = [w.seq for w in work]
-        mark = (b, work[0].start, seqs)
-        last = self._last
-        steady = last is not None and last[:2] == (b, mark[1] - 1) and last[2] == seqs
+        steady = self.replays.steady(b, work)
         int_rows, float_rows = self._rows.setdefault(b, (np.zeros((3, b), np.int64), np.zeros((2, b), np.float32)))
         if steady:
             int_rows[0, :n] += 1
         else:  # positions, top-k, seeds; temperatures, top-p
-            params = [s.owner.params for s in seqs]
+            params = [w.seq.owner.params for w in work]
             int_rows[:, :n] = ([w.start + w.seq.owner.rope_delta for w in work], [p.top_k for p in params],
                                [p.seed & (2**63 - 1) for p in params])
             float_rows[:, :n] = [p.temperature for p in params], [p.top_p for p in params]
@@ -95,8 +92,7 @@ class DecodeGraphs:
         ints[4, :n] = counters
         floats[:, :n] = float_rows[:, :n]
         laps.lap("inputs")
-        attention = self.attention[b].plan([SeqSlice(s.blocks, w.start, 1) for s, w in zip(seqs, work)], steady)
-        self._last = mark
+        attention = self.attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work], steady)
         inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
         if device_ids:  # the pending step's tokens, copied on the device after the buffer's copy lands
             inputs.ints[0, :n] = ids
