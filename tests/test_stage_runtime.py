@@ -143,7 +143,8 @@ def test_freezing_the_heap_takes_what_was_built_out_of_full_collections():
     built = [[i] for i in range(10_000)]  # long-lived containers, as a model's modules are
     try:
         frozen = heap.freeze()
-        assert frozen >= len(built) and gc.get_freeze_count() == frozen
+        # Frozen objects still die by reference counting (a clean-clone CI run saw two go right after the freeze)
+        assert frozen >= len(built) and len(built) <= gc.get_freeze_count() <= frozen
         with heap.Pauses() as pauses:
             gc.collect()
             gc.collect(0)
