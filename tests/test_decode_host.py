@@ -177,3 +177,59 @@ def test_a_replay_is_steady_only_for_the_last_ones_rows_one_token_on():
     assert replays.steady(8, [Work(b, 25, 1)])
     replays.forget()  # a step outside the graphs
     assert not replays.steady(8, [Work(b, 26, 1)])
+
+
+class LoggedEvent:
+    """A CUDA event's part PlanCopy uses, logging each call; its copy shows as not yet run `busy` times."""
+
+    def __init__(self, log: list, busy: int):
+        self.log, self.busy = log, busy
+
+    def record(self, stream=None):
+        self.log.append("record")
+
+    def query(self) -> bool:
+        self.log.append("query")
+        self.busy -= 1
+        return self.busy < 0
+
+    def synchronize(self):
+        self.log.append("synchronize")
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode", "decode-direct"])
+def test_each_plan_waits_for_the_last_plans_copy_before_rewriting_its_buffer(monkeypatch, which):
+    """flashinfer's plan copies its schedule to the device out of a pinned buffer of the wrapper's own, which the next
+    plan rewrites: each plan first waits (where the copy has not run yet) for the last one's, then marks its own. Without
+    it a step launched ahead of the device attended by the next step's schedule (an illegal memory access in the talker
+    at 32 speech requests through the mesh on one H200)."""
+    from services.llm.attention import SeqSlice
+    from services.llm.flashinfer_attention import DecodeAttention, FlashInferAttention
+    from services.llm.kv_cache import KVCache
+
+    stand_in_flashinfer(monkeypatch)
+    log = []
+
+    class PrefillWrapper:
+        def __init__(self, workspace, layout):
+            pass
+
+        def plan(self, *args, **kwargs):
+            log.append("plan")
+
+    sys.modules["flashinfer"].BatchPrefillWithPagedKVCacheWrapper = PrefillWrapper
+    cache = KVCache.allocate(1, 9, 4, 2, 8, torch.float32, "cpu")
+    if which == "prefill":
+        attention = FlashInferAttention(cache, 1.0, 2, workspace=torch.zeros(1))
+    else:
+        attention = DecodeAttention(cache, 1.0, 2, 4, 8, None, direct_plan=which == "decode-direct").plan([])
+        wrapper = attention.wrapper
+        plan, module_plan = wrapper.plan, wrapper._cached_module.plan
+        wrapper.plan = lambda *a, **kw: log.append("plan") or plan(*a, **kw)
+        wrapper._cached_module.plan = lambda *a: log.append("plan") or module_plan(*a)
+    attention.copy.event = LoggedEvent(log, busy=1)  # as on a GPU: the first copy still queued at the second plan
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    for tokens in (5, 6, 7):
+        attention.plan([SeqSlice([0, 1], tokens, 1)])
+    assert log == ["plan", "record", "query", "synchronize", "plan", "record", "query", "plan", "record"]
+    assert attention.copy.waits == 1

@@ -63,3 +63,37 @@ def test_decode_attention_matches_the_reference_in_a_graph(tensor_cores, split_k
         assert err < 0.02  # bf16 inputs, float32 accumulation either way
     # flashinfer's wrapper planned the capture alone where the plans are direct, every step otherwise
     assert len(wrapper_plans) == (1 if direct else 3), wrapper_plans
+
+
+def test_a_step_planned_behind_a_busy_device_attends_by_its_own_plan_not_the_next_ones():
+    """Two prompt steps planned and launched while the device still runs earlier work (held busy by a sleep kernel),
+    as a talker's steps go out ahead of a GPU it shares: the first step's schedule reaches the device by a copy
+    queued behind that work, out of the wrapper's pinned buffer the second plan rewrites (PlanCopy makes it wait).
+    Each step must attend as the reference does over its own sequences."""
+    from services.llm.attention import SeqSlice, TorchAttention
+    from services.llm.flashinfer_attention import FlashInferAttention
+    from services.llm.kv_cache import KVCache
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs = 16, 2, 128, 16  # the talker's heads
+    cache = KVCache.allocate(1, 128, bs, kv_heads, dim, torch.bfloat16, "cuda:0")
+    cache.k.normal_()
+    cache.v.normal_()
+    first = [SeqSlice(list(range(0, 4)), 0, 40), SeqSlice(list(range(4, 13)), 100, 30), SeqSlice(list(range(13, 48)), 500, 1)]
+    second = [SeqSlice(list(range(48, 96)), 0, 700)]
+    attention = FlashInferAttention(cache, dim ** -0.5, heads)
+    steps = []
+    torch.cuda._sleep(1_000_000_000)  # about half a second of the device busy before anything below runs
+    for slices in (first, second):
+        rows = sum(s.n for s in slices)
+        q = torch.randn(rows, heads, dim, dtype=torch.bfloat16, device="cuda:0")
+        k = torch.randn(rows, kv_heads, dim, dtype=torch.bfloat16, device="cuda:0")
+        v = torch.randn_like(k)
+        steps.append((slices, q, k, v, attention.plan(slices).forward(0, q, k, v)))
+    assert attention.copy.waits == 1  # the second plan found the first one's copy still queued
+    torch.cuda.synchronize()
+    for slices, q, k, v, got in steps:
+        want = TorchAttention(cache, dim ** -0.5).plan(slices).forward(0, q, k, v, written=True).float()
+        err = ((got.float() - want).norm() / want.norm()).item()
+        print(f"{len(slices)} sequences, {q.shape[0]} rows: relative L2 against the reference {err:.4f}")
+        assert err < 0.02

@@ -133,6 +133,36 @@ class Replays:
         return last is not None and last[:2] == (b, work[0].start - 1) and last[2] == seqs
 
 
+class PlanCopy:
+    """The copy a flashinfer plan queues of its schedule (each request's tiles and output rows) to the device, out of
+    a pinned host buffer of its wrapper's own (`_pin_memory_int_workspace_buffer`), which the wrapper's next plan
+    rewrites: that plan first waits for the copy to have run. Queued behind the work the device is still running,
+    the copy may not have run when the host plans again, where steps go out ahead of the device (overlapped frame
+    steps beside prompts, chunked prompts replayed from graphs): the step would then attend by the next one's
+    schedule. In the mesh on one H200 that was an illegal memory access in the talker at 32 speech requests
+    (bench/results/1xh200-mesh-speech-54d542c.json); launched one by one (CUDA_LAUNCH_BLOCKING) it never came."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+        self.pending = False  # a plan's copy was queued and not yet seen done
+        self.waits = 0  # plans that found the last one's copy still queued
+
+    def wait(self) -> None:
+        """Before a plan: the last plan's copy has run."""
+        if self.pending:
+            if not self.event.query():
+                self.waits += 1
+                self.event.synchronize()
+            self.pending = False
+
+    def record(self) -> None:
+        """After a plan: its copy is queued on the current stream."""
+        if self.event is not None:
+            self.event.record(torch.cuda.current_stream(self.device))
+            self.pending = True
+
+
 def _slots(slices: list[SeqSlice], block_size: int) -> list[int]:
     out = []
     for s in slices:
@@ -164,6 +194,7 @@ class FlashInferAttention(_Writer):
         dev = cache.k.device
         self.workspace = workspace if workspace is not None else torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.copy = PlanCopy(dev)
         self.slot_mapping = None
 
     def plan(self, slices: list[SeqSlice]) -> "FlashInferAttention":
@@ -174,9 +205,11 @@ class FlashInferAttention(_Writer):
             qo.append(qo[-1] + s.n)
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
         i32 = torch.int32  # pinned: flashinfer's own copies to the device then wait for nothing (DecodeAttention.plan)
+        self.copy.wait()
         self.wrapper.plan(pinned(qo, i32), pinned(indptr, i32), pinned(indices, i32), pinned(last, i32),
                           self.heads, kv_heads, head_dim, bs, causal=True, sm_scale=self.scale,
                           q_data_type=self.cache.k.dtype, kv_data_type=self.cache.k.dtype)
+        self.copy.record()
         self.slot_mapping = upload(_slots(slices, bs), self.cache.k.device, torch.long)
         return self
 
@@ -231,6 +264,7 @@ class DecodeAttention(_Writer):
             paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
         self.direct_plan = direct_plan and tensor_cores and getattr(flashinfer, "__version__", "") == DIRECT_PLAN_VERSION
         self._planned_once = False
+        self.copy = PlanCopy(dev)
         self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
         self._last_plan: _Table | None = None
         self.advanced = 0  # plans that advanced the last one's table (steady)
@@ -260,6 +294,7 @@ class DecodeAttention(_Writer):
                                          np.array(last, dtype=np.int32), np.array(slots, dtype=np.int64), bs)
         host_slots[:] = t.slots
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
+        self.copy.wait()
         if self._planned_once and self._direct(words, t, kv_heads, head_dim, bs):
             self.sent = self.offset + 8 * b + 4 * (2 * b + 1 + len(t.indices))
         else:
@@ -276,6 +311,7 @@ class DecodeAttention(_Writer):
                               **({} if self.split_kv else {"disable_split_kv": True}))
             self._planned_once = True
             self.sent = self.offset + 8 * b
+        self.copy.record()
         if self.own:
             self.table.send(self.sent)
         return self

@@ -132,10 +132,6 @@ class NativeTalker(SpeechEngine):
         self.graph_draws = 0  # frame steps whose first codes were drawn in their graph
         self.overlap, self.pending = overlap, None  # the launched frame step whose codes are not read yet
         self.overlapped = 0  # frame steps launched before the previous one's codes were read
-        # Recorded after a decode step's attention plan was queued: flashinfer copies a plan to the device out of a
-        # pinned host buffer of its own, which the next plan rewrites, so that copy must have run first (with
-        # overlap it is queued behind the step the device is running; done by then in practice, not by rule).
-        self.planned = None
         self.replays = None  # whether a decode replay is the last one's requests an input on (Replays, _capture)
         # This step's frame inputs as _queue_inputs stacked them, and the row of each request's (by id of its
         # state): a captured step taking them takes that tensor, not each request's row joined again.
@@ -463,15 +459,10 @@ class NativeTalker(SpeechEngine):
                         [int(p.ignore_eos) for p in params])
             floats[:] = [p.temperature for p in params], [p.top_p for p in params], [p.repetition_penalty for p in params]
         self.laps.lap("inputs")
-        if self.planned is not None:
-            self.wait(self.planned)
         # The last replay's requests one input on (nothing else run between): its page table advanced, not rebuilt
         attention = self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work],
                                                   self.replays.steady(b, work))
         inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
-        if self.device.type == "cuda":
-            self.planned = torch.cuda.Event()
-            self.planned.record(torch.cuda.current_stream(self.device))
         self.laps.lap("plan")
         hidden, logits, *code0 = self.graphs.replay(b)
         self.laps.lap("launch")

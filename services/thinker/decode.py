@@ -64,9 +64,9 @@ class DecodeGraphs:
         """A step ran outside the graphs: the next replay is not the last one's rows a token on."""
         self.replays.forget()
 
-    def replay(self, work: list[Work], ids, counters: list[int], laps: Laps, planned=None) -> tuple:
-        """The graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters), replayed;
-        `planned` is recorded once the attention plan's copies are queued. Returns (input embeddings, accept-layer
+    def replay(self, work: list[Work], ids, counters: list[int], laps: Laps) -> tuple:
+        """The graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters), replayed.
+        Returns (input embeddings, accept-layer
         states, logits, tokens drawn), valid until the next replay."""
         n = len(work)
         b = self.graphs.size_for(n)
@@ -96,8 +96,6 @@ class DecodeGraphs:
         inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
         if device_ids:  # the pending step's tokens, copied on the device after the buffer's copy lands
             inputs.ints[0, :n] = ids
-        if planned is not None:
-            planned.record(torch.cuda.current_stream(self.device))
         laps.lap("plan")
         out = self.graphs.replay(b)
         laps.lap("launch")

@@ -36,7 +36,6 @@ class _Pending:
     event: object
     placeholders: list[bool]
     row_of: dict[int, int]  # id(SeqState) -> row
-    planned: object  # recorded once its plan's copies were queued (None off CUDA)
     send: list[bool]  # rows whose states go out with their token
     states: tuple | None  # (input embeddings, accept-layer states) of the step's rows, when any row sends them
 
@@ -264,16 +263,12 @@ class NativeThinker:
             if any(r >= 0 for r in src):
                 at = upload(src, self.device, torch.long)
                 ids = torch.where(at >= 0, prev.tokens[at.clamp_min(0)], ids)
-        if prev is not None and prev.planned is not None:
-            # flashinfer plans through a pinned host buffer of its own: the pending step's copy out of it must have
-            # run before this plan rewrites it (queued ahead of that step's kernels, it is done by now or nearly).
-            prev.planned.synchronize()
-        host, planned, copied = self._launch_buffers(n) if ids.is_cuda else (None, None, None)
+        host, copied = self._launch_buffers(n) if ids.is_cuda else (None, None)
         # Speech requests get the row's states (input embedding, accept layer) with its token, once per position.
         states, drawn, sending = None, None, any(send)
         # Its rows all decode their last token (_overlappable): a graph's if one is that large
         if self.decode is not None and n <= self.decode.max_batch:
-            embeds, captured, logits, drawn = self.decode.replay(work, ids, counters, self.laps, planned)
+            embeds, captured, logits, drawn = self.decode.replay(work, ids, counters, self.laps)
             logits, drawn = logits[:n], drawn[:n] if drawable else None
             if sending:  # the next replay overwrites them: copied out (to the host below, or here)
                 states = embeds[:n], captured[:n]
@@ -284,8 +279,6 @@ class NativeThinker:
                 self.decode.forget()
             positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
             attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
-            if planned is not None:
-                planned.record(torch.cuda.current_stream(self.device))
             embeds = self.model.model.embed_tokens(ids)
             with step_context(attention, self.moe):
                 hidden, captured = self.model(embeds, positions, capture_layer=self.accept_layer if sending else None)
@@ -313,17 +306,17 @@ class NativeThinker:
                 w.seq.tokens.append(PLACEHOLDER)
         self.overlapped += prev is not None
         self.laps.lap("queue")
-        return _Pending(work, tokens, host, event, placeholders, row_of, planned, send, states)
+        return _Pending(work, tokens, host, event, placeholders, row_of, send, states)
 
-    def _launch_buffers(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event, torch.cuda.Event]:
-        """A launched step's pinned buffer for its `n` tokens and its two events (plan copied, tokens copied): two
-        sets used in turn, as a step's tokens are read (_finish) before the step after next is launched."""
+    def _launch_buffers(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A launched step's pinned buffer for its `n` tokens and the event of their copy: two sets used in turn,
+        as a step's tokens are read (_finish) before the step after next is launched."""
         self._launch_turn ^= 1
         if self._launched[self._launch_turn] is None or len(self._launched[self._launch_turn][0]) < n:
             self._launched[self._launch_turn] = (torch.empty(max(n, 256), dtype=torch.long, pin_memory=True),
-                                                 torch.cuda.Event(), torch.cuda.Event())
-        host, planned, copied = self._launched[self._launch_turn]
-        return host[:n], planned, copied
+                                                 torch.cuda.Event())
+        host, copied = self._launched[self._launch_turn]
+        return host[:n], copied
 
     def _finish(self, p: "_Pending") -> list[tuple[ThinkerSeq, ThinkerStep]]:
         """The pending step's tokens, read now (its device work is done or nearly): each placeholder filled,
