@@ -108,12 +108,14 @@ def test_direct_decode_plans_are_the_thinkers_default_and_only_for_the_tensor_co
     assert load_config(write(tmp_path, c)).talker.native_args["decode_direct_plan"] is True
 
 
-def test_polled_waits_are_the_thinkers_default_and_the_talkers_choice(tmp_path):
+def test_polled_waits_are_off_by_default_and_each_engines_choice(tmp_path):
     cfg = load_config(write(tmp_path, base()))
-    assert cfg.thinker.native_args["spin_wait"] is True and cfg.talker.native_args["spin_wait"] is False
+    assert cfg.thinker.native_args["spin_wait"] is False and cfg.talker.native_args["spin_wait"] is False
     c = base()
+    c["thinker"] = {**c["thinker"], "spin_wait": True}
     c["talker"] = {**c.get("talker", {}), "spin_wait": True}
-    assert load_config(write(tmp_path, c)).talker.native_args["spin_wait"] is True
+    cfg = load_config(write(tmp_path, c))
+    assert cfg.thinker.native_args["spin_wait"] is True and cfg.talker.native_args["spin_wait"] is True
 
 
 def test_encoder_graphs_need_varlen_attention(tmp_path):

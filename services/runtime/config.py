@@ -211,8 +211,8 @@ class LMStageConfig(EngineStageConfig):
     # (ThinkerConfig); the talker's is off until measured.
     decode_direct_plan: bool = False
     # The engine's waits on the device poll it rather than sleep in the driver (services.llm.host.wait), its thread
-    # keeping a core busy and the interpreter lock between polls. The thinker's is on (ThinkerConfig); the talker's
-    # is off until measured.
+    # keeping a core busy and the interpreter lock between polls. Off: polled or asleep, neither engine's step at 32
+    # requests was faster in session 21's A/B (bench/results/README.md, "Session 21").
     spin_wait: bool = False
     # Steps no decode graph holds (prompt chunks, prompts beside decode tokens, the thinker's multimodal rows) of
     # up to this many tokens replay CUDA graphs between their attentions, recorded per token count of a ladder
@@ -251,10 +251,6 @@ class ThinkerConfig(LMStageConfig):
     # On for the thinker (LMStageConfig): its host step at 32 requests took 1.01 ms against 1.63 through flashinfer's
     # wrapper on one machine, 1.11 and 1.29 against 2.26 on another (bench/results/README.md, "Session 20").
     decode_direct_plan: bool = True
-    # On for the thinker (LMStageConfig): after a sleep as long as a decode step, the host's next step ran at half
-    # speed; polling, its host step at 32 requests took 0.53 ms against 1.1-1.6 (bench/results/README.md,
-    # "Session 20").
-    spin_wait: bool = True
 
     @property
     def native_args(self) -> dict:
