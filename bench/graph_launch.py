@@ -206,7 +206,8 @@ def engine_graphs(stage: str, cfg, folder: Path) -> list:
     if stage == "thinker":
         found = [("thinker decode", engine.decode.graphs if engine.decode is not None else None)]
     else:
-        found = [("talker frame step", engine.graphs), ("code predictor", engine.predictor.graphs)]
+        found = [("talker frame step", engine.decode.graphs if engine.decode is not None else None),
+                 ("code predictor", engine.predictor.graphs)]
         found += [(f"code2wav of {frames} frames", c2w) for frames, (_, c2w) in sorted(engine.c2w_graphs.items())]
     found = [(name, g) for name, g in found if g is not None]
     if not found:

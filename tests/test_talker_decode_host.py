@@ -11,6 +11,7 @@ from test_talker_engine import FRAMES, cases, speak  # noqa: F401 (fixture)
 from services.llm import graphs
 from services.llm.graphs import ladder
 from services.model.load import load_config
+from services.talker.decode import FrameGraphs
 from services.talker.engine import NativeTalker
 
 
@@ -22,8 +23,9 @@ def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeTa
     sizes = ladder(max_batch)
     engine.predictor.capture(sizes)
     engine.workspace = None
-    engine._capture(sizes, engine.scheduler.allocator.num_blocks, load_config(tiny_model).talker_config.text_config)
-    engine.graphs.attention = engine.decode_attention
+    engine.decode = FrameGraphs(engine, sizes, engine.scheduler.allocator.num_blocks,
+                                load_config(tiny_model).talker_config.text_config, engine.draws_captured)
+    engine.decode.graphs.attention = engine.decode.attention
     return engine
 
 
@@ -40,12 +42,12 @@ def test_captured_frame_steps_give_transformers_codes(tiny_model, cases, monkeyp
     seqs, _ = speak(engine, data, spec, list(data))
     for name, seq in seqs.items():
         assert seq.frames == data[name]["codes"] and seq.frames, name
-    assert engine.graphs.replays >= FRAMES - 1 and engine.predictor.graphs.replays >= FRAMES
+    assert engine.decode.graphs.replays >= FRAMES - 1 and engine.predictor.graphs.replays >= FRAMES
     assert (engine.graph_draws > 0) == graph_sampling
-    assert sum(a.advanced for a in engine.decode_attention.values()) >= FRAMES // 2  # steady plans
-    wrappers = [a.wrapper for a in engine.decode_attention.values()]
+    assert sum(a.advanced for a in engine.decode.attention.values()) >= FRAMES // 2  # steady plans
+    wrappers = [a.wrapper for a in engine.decode.attention.values()]
     # every replay's plan direct, and the capture's second (both staging buffers filled)
-    assert sum(w.direct_plans for w in wrappers) == (engine.graphs.replays + len(wrappers) if direct else 0)
+    assert sum(w.direct_plans for w in wrappers) == (engine.decode.graphs.replays + len(wrappers) if direct else 0)
     if direct:
         assert all(w.wrapper_plans == 1 for w in wrappers)
     assert engine.scheduler.allocator.used == 0 and not engine.states
@@ -60,5 +62,5 @@ def test_captured_frame_steps_of_preempted_requests_give_transformers_codes(tiny
     seqs, _ = speak(engine, data, spec, list(data))
     for name, seq in seqs.items():
         assert seq.frames == data[name]["codes"] and seq.frames, name
-    assert engine.scheduler.preemptions > 0 and engine.graphs.replays >= FRAMES - 1
+    assert engine.scheduler.preemptions > 0 and engine.decode.graphs.replays >= FRAMES - 1
     assert engine.scheduler.allocator.used == 0 and not engine.states

@@ -423,7 +423,7 @@ def test_first_codes_drawn_with_tensor_settings_equal_the_samplers(tiny_model):
     code allowed or banned (ignore_eos), on bf16 logits with ties; the codes it marks seen are the ones drawn."""
     from types import SimpleNamespace
 
-    from services.talker.engine import draw_first
+    from services.talker.decode import draw_first
 
     engine = NativeTalker(tiny_model, max_seqs=8)
     vocab = engine.talker.codec_head.out_features

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.llm import pieces, sampling
+from services.llm import pieces
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import StepInputs, scalar, upload
+from services.llm.host import scalar, upload
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
@@ -24,22 +24,11 @@ from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
 from services.talker.model import TalkerModel
-from services.talker.predictor import GREEDY, PredictorFrames
+from services.talker.decode import FrameGraphs
+from services.talker.predictor import PredictorFrames
 from services.talker.speech import SpeechEngine, TalkerSeq, TalkerStep, mark, seconds_between
 
 PLACEHOLDER = -1  # a talker token (first code) not read back from the device: its value is never needed there
-
-
-def draw_first(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor, suppress: torch.Tensor,
-               no_eos: torch.Tensor, eos: torch.Tensor, temps, top_k, top_p, seeds, counters) -> torch.Tensor:
-    """`_sample_first` with every per-row setting a tensor, for a graph: the repetition penalty where `seen`
-    [B, V] (1.0: none), the suppressed codes [V] and the end code [V] where `no_eos` [B], then sample_tensors
-    over the best CANDIDATES. A row gets the code `_sample_first` gives it (first_drawable rows)."""
-    x = logits.float()
-    pen = penalty[:, None]
-    x = torch.where(seen, torch.where(x < 0, x * pen, x / pen), x)
-    x = x.masked_fill(suppress[None, :] | ((no_eos[:, None] != 0) & eos[None, :]), float("-inf"))
-    return sampling.OPS["sample_tensors"](x, temps, top_k, top_p, seeds, counters, CANDIDATES)
 
 
 @dataclass(eq=False)
@@ -132,17 +121,16 @@ class NativeTalker(SpeechEngine):
         self.graph_draws = 0  # frame steps whose first codes were drawn in their graph
         self.overlap, self.pending = overlap, None  # the launched frame step whose codes are not read yet
         self.overlapped = 0  # frame steps launched before the previous one's codes were read
-        self.replays = None  # whether a decode replay is the last one's requests an input on (Replays, _capture)
         # This step's frame inputs as _queue_inputs stacked them, and the row of each request's (by id of its
         # state): a captured step taking them takes that tensor, not each request's row joined again.
         self.queued: tuple[torch.Tensor, dict[int, int]] | None = None
-        self.graphs = None
+        self.decode = None  # the frame steps as CUDA graphs (FrameGraphs)
         if cuda_graph_max_batch and self.device.type == "cuda":  # the predictor is dense: no experts to capture
             from services.llm.graphs import ladder
             sizes = ladder(min(cuda_graph_max_batch, max_seqs))
             self.predictor.capture(sizes)
             if self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
-                self._capture(sizes, blocks, text)
+                self.decode = FrameGraphs(self, sizes, blocks, text, self.draws_captured)
             if code2wav_graphs:
                 self.capture_code2wav(min(cuda_graph_max_batch, max_seqs))
         # Prompt and mixed steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
@@ -156,48 +144,6 @@ class NativeTalker(SpeechEngine):
         self.frame_stream = None
         if frames_first and self.device.type == "cuda":
             self.frame_stream = torch.cuda.Stream(self.device, priority=-1)  # torch's high priority (default 0: low)
-
-    def _capture(self, sizes: list[int], scratch: int, text) -> None:
-        """The talker's decode steps (one input row per request, positions equal on the three M-RoPE rows)
-        as CUDA graphs: input rows and positions in, hidden states and codec logits out."""
-        from services.llm.flashinfer_attention import DecodeAttention, Replays, split_kv
-        from services.llm.graphs import CapturedGraphs
-
-        self.decode_x = torch.zeros(sizes[-1], text.hidden_size, dtype=self.dtype, device=self.device)
-        self.graph_seen = self.seen  # the tensor the graphs read: a step draws in them only while it is the one
-        vocab = self.talker.codec_head.out_features
-        self.suppress_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-        self.suppress_mask[self.suppress] = True
-        self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-        self.eos_mask[self.codec_eos] = True
-        # Each size's inputs from the host, sent by one copy a step (StepInputs): positions; the first codes' draw
-        # (graph_sampling): per row its slot in `seen` (padding: the spare last row), top-k, seed, counter, whether
-        # the end code is banned; temperature, top-p, repetition penalty; then its attention's slots and page table
-        # (their buffers are the graph's), planned all padding for capture.
-        split, self.decode_inputs, self.decode_attention = self.decode_split_kv_max_batch, {}, {}
-        self.replays = Replays()
-        for b in sizes:
-            inputs = self.decode_inputs[b] = StepInputs(6, 3, b, self.device, DecodeAttention.nbytes(b, self.cache))
-            self.decode_attention[b] = DecodeAttention(
-                self.cache, text.head_dim ** -0.5, text.num_attention_heads, b, scratch, self.workspace,
-                self.decode_tensor_cores, split_kv(b, split), self.decode_direct_plan, inputs.staging, inputs.extra_offset)
-            for _ in range(2):  # both staging buffers: what rows not drawn in the graph read until a step fills them
-                ints, floats = inputs.fill()
-                ints[1], floats[:] = len(self.seen) - 1, 1.0
-                inputs.send(self.decode_attention[b].plan([]).sent)
-
-        def body(b: int):
-            (pos, slots, top_k, seeds, counters, no_eos), (temps, top_p, pen) = self.decode_inputs[b].ints, \
-                self.decode_inputs[b].floats
-            with step_context(self.decode_attention[b], self.moe):
-                hidden = self.talker.model(self.decode_x[:b], pos.float().expand(3, -1))
-                logits = self.talker.codec_head(hidden)
-            if not self.draws_captured:
-                return hidden, logits
-            return hidden, logits, draw_first(logits, self.seen[slots], pen, self.suppress_mask, no_eos, self.eos_mask,
-                                              temps, top_k, top_p, seeds, counters)
-
-        self.graphs = CapturedGraphs(sizes, body, self.device)
 
     @property
     def summary(self) -> str:
@@ -400,8 +346,8 @@ class NativeTalker(SpeechEngine):
                 rows = upload(caught_up, self.device, torch.long)
                 h, logits, drawn = h[rows], logits[rows], None
         else:
-            if self.replays is not None:  # a step outside the graphs: the next replay's plan is rebuilt
-                self.replays.forget()
+            if self.decode is not None:  # a step outside the graphs: the next replay's plan is rebuilt
+                self.decode.forget()
             hidden = self._rows(work)
             last = list(itertools.accumulate(w.n for w in work))
             h = hidden[upload([last[i] - 1 for i in caught_up], self.device, torch.long)] if caught_up else None
@@ -438,36 +384,16 @@ class NativeTalker(SpeechEngine):
 
     def _graphable(self, work: list) -> bool:
         """Every request takes its one pending frame input (no prompt rows, whose positions may differ by axis)."""
-        return (self.graphs is not None and len(work) <= self.graphs.max_batch
+        return (self.decode is not None and len(work) <= self.decode.max_batch
                 and all(w.n == 1 and w.start >= w.seq.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work))
 
     def _graph_rows(self, work: list) -> tuple:
         """Hidden states and codec logits of a decode step, replayed from its graph (and the first codes drawn in
-        it, where they stand for every row's, with the rows' slots in `seen` on the device)."""
-        n = len(work)
-        b = self.graphs.size_for(n)
-        self.decode_x[:n] = self._step_inputs(work)
-        inputs = self.decode_inputs[b]
-        ints, floats = inputs.fill()
-        ints[0] = [w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n)
-        drawn = self._first_drawable([w.seq.owner for w in work])
-        if drawn:
-            seqs, pad = [w.seq.owner for w in work], [0] * (b - n)
-            params = [s.params for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy, on the spare row of `seen`
-            ints[1:] = ([self.states[id(s)].slot for s in seqs] + [len(self.seen) - 1] * (b - n), [p.top_k for p in params],
-                        [p.seed & (2**63 - 1) for p in params], [len(s.frames) + s.frames_unread for s in seqs] + pad,
-                        [int(p.ignore_eos) for p in params])
-            floats[:] = [p.temperature for p in params], [p.top_p for p in params], [p.repetition_penalty for p in params]
-        self.laps.lap("inputs")
-        # The last replay's requests one input on (nothing else run between): its page table advanced, not rebuilt
-        attention = self.decode_attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work],
-                                                  self.replays.steady(b, work))
-        inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
-        self.laps.lap("plan")
-        hidden, logits, *code0 = self.graphs.replay(b)
-        self.laps.lap("launch")
-        # valid until the next replay: the predictor copies the states before it
-        return hidden[:n], logits[:n], (code0[0][:n], inputs.ints[1, :n]) if drawn else None
+        it, where they stand for every row's, with the rows' slots in `seen` on the device): valid until the next
+        replay (the predictor copies the states before it)."""
+        seqs = [w.seq.owner for w in work]
+        draw = [(s, self.states[id(s)].slot) for s in seqs] if self._first_drawable(seqs) else None
+        return self.decode.replay(work, self._step_inputs(work), draw, self.laps)
 
     def _step_inputs(self, work: list) -> torch.Tensor:
         """The inputs [n, D] of a captured step's rows (each its request's last input): this step's queued ones
@@ -484,7 +410,7 @@ class NativeTalker(SpeechEngine):
         """Whether the captured step's draw gives every row of `seqs` the first code `_sample_first` gives it
         (graph_sampling): greedy or a top-k below CANDIDATES, no stop ids banned for a minimum length, and the
         mask of codes drawn still the one the graphs read (it is replaced when more requests start than it holds)."""
-        return self.graph_sampling and self.draws_captured and self.seen is self.graph_seen and all(
+        return self.graph_sampling and self.draws_captured and self.seen is self.decode.seen and all(
             (s.params.temperature == 0 or 0 < s.params.top_k < CANDIDATES)
             and not (len(s.frames) + s.frames_unread < s.params.min_tokens and s.params.stop_token_ids) for s in seqs)
 
