@@ -34,6 +34,10 @@ ENGINES = {
     # code2wav's decoder native (talker.code2wav_native): channels-last, started where each chunk's kept samples
     # need it (later chunks' 25 frames of context mostly skipped), the same waveforms
     "code2wav's decoder native": {"code2wav_native": True},
+    # code2wav's chunks replayed from "graphs" of the plan's chunk lengths (on a GPU: capture_code2wav; their bodies
+    # run eagerly here), a request's shorter last chunk padded to one of them: the same waveforms
+    "code2wav from graphs": {},
+    "code2wav's native decoder from graphs": {"code2wav_native": True},
     # steps between attentions in pieces (step_graphs: graphs on a GPU, the same pieces run eagerly here)
     "step pieces": {"step_graphs": 2048},
     "step pieces, overlap and preemption": {"step_graphs": 8, "overlap": True, "kv_blocks": 20, "block_size": 4,
@@ -96,7 +100,7 @@ def late(launch):
 
 
 @pytest.mark.parametrize("setup", list(ENGINES))
-def test_batched_speech_equals_transformers(tiny_model, cases, setup, request):
+def test_batched_speech_equals_transformers(tiny_model, cases, setup, request, monkeypatch):
     data, spec = cases
     if ENGINES[setup].get("compile"):  # fuse() swaps the compiled functions in for the whole process: back after
         from services.llm.layers import fuse
@@ -107,6 +111,15 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup, request):
     assert not any(p.requires_grad for m in (engine.talker, engine.code2wav) for p in m.parameters())
     if setup == "audio handed out late":
         engine._launch = late(engine._launch)
+    if "from graphs" in setup:
+        from test_decode_host import EagerGraphs
+
+        from services.llm import graphs
+
+        monkeypatch.setattr(graphs, "CapturedGraphs", EagerGraphs)
+        engine.capture_code2wav(4)
+        lengths, launch = [], engine._launch  # each launch's chunk length, context included
+        engine._launch = lambda group: lengths.append(group[0][2] - group[0][1] + group[0][3]) or launch(group)
     seqs, fed, chunks = {}, {}, {name: [] for name in data}
     for name, d in data.items():
         seq = TalkerSeq(name, d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), d["tts"])
@@ -148,6 +161,9 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup, request):
         assert engine.pieces.steps >= FRAMES
     if setup == "audio handed out late":  # chunks went out in steps after their launch's
         assert sum(e.polled_early for e in engine._launch.events) > 0 and not engine.vocoding
+    if "from graphs" in setup:  # every chunk from a graph, last ones of lengths no graph has among them (padded)
+        assert sum(g.replays for _, g, _ in engine.c2w_graphs.values()) == len(lengths)
+        assert set(lengths) - set(engine.c2w_graphs), lengths
     assert engine.scheduler.allocator.used == 0 and not engine.states
 
 

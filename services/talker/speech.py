@@ -122,6 +122,18 @@ def seconds_between(a, b) -> float:
     return a.elapsed_time(b) / 1000 if hasattr(a, "elapsed_time") else b - a
 
 
+def decoded_tail(code2wav) -> int:
+    """How many samples a decode of F frames falls short of F frames' worth: each of the decoder's upsamplers (a
+    transposed convolution of stride r trimming r outputs at each end, whose last r would read the row after the
+    last) drops r of its outputs, each as many samples as the upsamplers after it multiply it into (555 for
+    Qwen3-Omni's rates 8, 5, 4, 3)."""
+    tail = 0
+    for block in code2wav.decoder[1:-2]:
+        up = block.block[1]
+        tail = tail * up.conv.stride[0] + up.right_pad
+    return tail
+
+
 @dataclass(eq=False)
 class Vocoding:
     """code2wav launched for a group of chunks (one length and left context); its waveforms are in host
@@ -144,6 +156,8 @@ class SpeechEngine:
                                        seed).requires_grad_(False)
         if code2wav_fuse:  # talker.code2wav_fuse
             fuse_activations_(self.code2wav)
+        # A decode of F frames gives F * samples_per_frame - tail samples (decoded_tail)
+        self.tail = decoded_tail(self.code2wav)
         if code2wav_native:  # talker.code2wav_native: its decoder channels-last, one pass between convolutions
             self.code2wav = NativeCode2Wav(self.code2wav)
         self.spec = spec = OmniSpec.load(model_dir)
@@ -205,21 +219,28 @@ class SpeechEngine:
     def _code2wav(self, codes: list, skip: int = 0) -> torch.Tensor:
         """Waveforms [B, 1, samples] of code rows [B][frames][groups] of one length, from sample `skip` on:
         replayed from a graph where one is captured for the length and batch (and starts early enough), else
-        eagerly."""
+        eagerly. A request's last chunk, shorter than the plan's, is replayed from the graph of the shortest
+        captured length that holds it, its frames followed by zero codes: code2wav is causal (its convolutions and
+        its attention see only earlier frames), so its samples are those of the chunk alone, and the padding's are
+        cut off. Decoded eagerly, 32 requests' last chunks took 144 ms of the talker's step in one go
+        (bench/results/talker-1xh200-b32-laps-2ffb8e0.json)."""
         n, frames, start = len(codes), len(codes[0]), self._start(skip)
-        captured = self.c2w_graphs.get(frames)
-        if captured is None or n > captured[1].max_batch or captured[2] > start:
+        fits = [f for f, (_, graphs, at) in self.c2w_graphs.items() if f >= frames and n <= graphs.max_batch and at <= start]
+        if not fits:
             wav = self._waveforms(upload(codes, self.device, torch.long).transpose(1, 2), start)  # no wait for the device
         else:
-            buf, graphs, start = captured
+            buf, graphs, start = self.c2w_graphs[min(fits)]
             b = graphs.size_for(n)
             # Through numpy, not torch.tensor(), which converts element by element (services/llm/host.py: 3.5 times
             # slower for a step's page ids): 32 rows of 50 frames are 25,600 codes, at every chunk.
-            upload_into(buf[:n], np.asarray(codes, dtype=np.int64).transpose(0, 2, 1))
+            rows = np.zeros(buf[:n].shape, dtype=np.int64)
+            rows[:, :, :frames] = np.asarray(codes, dtype=np.int64).transpose(0, 2, 1)
+            upload_into(buf[:n], rows)
             if b > n:
                 buf[n:b].zero_()
             wav = graphs.replay(b)[:n]
-        return wav[..., skip - (start * self.code2wav.row_samples if start else 0):]
+        first = start * self.code2wav.row_samples if start else 0  # the sample `wav` starts at
+        return wav[..., skip - first:frames * self.samples_per_frame - self.tail - first]
 
     def add(self, seq: TalkerSeq) -> None:
         if seq.params.max_tokens < 1:
