@@ -10,7 +10,6 @@ from client_util import generate
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from references import Case, Reference, png, wav
 
-SAMPLES_PER_FRAME = 1920
 # Waveform tolerance where every chunk had its full left context: float32 rounding plus PCM16 quantisation.
 WAVE_ATOL = 5e-4
 
@@ -37,15 +36,15 @@ def reference(tiny_model, hf_model):
 
 
 def check_waveform(result, ref_wave: np.ndarray, atol: float = WAVE_ATOL) -> None:
-    """Each streamed chunk against the same samples of the reference decode."""
-    frame = 0
+    """Each streamed chunk against the same samples of the reference decode, the chunks joined without a gap."""
+    frame, sample = 0, 0
     for pcm, codes in zip(result.pcm, result.chunk_codes):
-        ref = ref_wave[frame * SAMPLES_PER_FRAME: frame * SAMPLES_PER_FRAME + len(pcm)]
+        ref = ref_wave[sample:sample + len(pcm)]
         assert len(ref) == len(pcm), f"chunk at frame {frame}: {len(pcm)} samples, reference has {len(ref)}"
         err = np.abs(pcm - ref).max()
         assert err < atol, f"chunk at frame {frame}: max abs error {err:.2e}"
-        frame += len(codes)
-    assert frame == len(result.codes)
+        frame, sample = frame + len(codes), sample + len(pcm)
+    assert frame == len(result.codes) and sample == len(ref_wave)
 
 
 def check_waits(usage, case) -> None:
@@ -96,25 +95,30 @@ def test_long_speech_is_chunked_with_left_context(mesh, reference):
     the reference's one decode of all 40 frames is the same only where a chunk has all frames before it)."""
     import torch
 
+    from services.talker.speech import decoded_tail
+
     case = CASES["image"]
     ids, codes, wave = reference.generate(case, max_tokens=30, speech=True, frames=40)
     res = generate(mesh.gateway_address, case.request(speech=True, max_tokens=30, frames=40))
     assert res.token_ids == ids and res.codes == codes
     code2wav, frames = reference.hf.code2wav, torch.tensor(codes).T[None]  # [1, groups, frames]
-    frame = 0
+    tail = decoded_tail(code2wav)  # the samples at the end of a decode that read the frame after: the next chunk's
+    frame, sample = 0, 0
     for pcm, chunk in zip(res.pcm, res.chunk_codes):
         context = min(25, frame)
+        kept = context * code2wav.total_upsample - (tail if context else 0)
         with torch.no_grad():
-            ref = code2wav(frames[..., frame - context:frame + len(chunk)])[..., context * code2wav.total_upsample:]
+            ref = code2wav(frames[..., frame - context:frame + len(chunk)])[..., kept:]
         ref = ref.reshape(-1).float().numpy()
         assert len(pcm) == len(ref), frame
         rel = np.sqrt(np.mean((pcm - ref) ** 2) / np.mean(ref ** 2))
         assert rel < 1e-3, f"chunk at frame {frame}: relative RMS error {rel:.2e}"
         if frame + len(chunk) <= 25:  # all frames before it in its context: the whole decode's samples too
-            whole = wave[frame * SAMPLES_PER_FRAME: frame * SAMPLES_PER_FRAME + len(pcm)]
+            whole = wave[sample:sample + len(pcm)]
             assert np.sqrt(np.mean((pcm - whole) ** 2) / np.mean(whole ** 2)) < 1e-3, frame
-        frame += len(chunk)
+        frame, sample = frame + len(chunk), sample + len(pcm)
     assert frame == 40 and len(res.pcm) > 4  # chunks past the left context were checked
+    assert sample == len(wave)  # joined without a gap: as many samples as one decode of the 40 frames
 
 
 def test_speech_starts_before_the_text_ends(mesh):

@@ -204,9 +204,16 @@ class SpeechEngine:
         for frames in self.chunk_shapes():
             codes = torch.zeros(sizes[-1], self.groups, frames, dtype=torch.long, device=self.device)
             # The least left context a chunk of this length has in the plan (a request's last chunk may have more).
-            start = min(self._start((frames - new) * self.samples_per_frame) for f, new in self.plan if f == frames)
+            start = min(self._start(self._skip(frames - new)) for f, new in self.plan if f == frames)
             graphs = CapturedGraphs(sizes, lambda b, codes=codes, start=start: self._waveforms(codes[:b], start), self.device)
             self.c2w_graphs[frames] = codes, graphs, start
+
+    def _skip(self, context: int) -> int:
+        """The samples a chunk's decode makes and drops before the ones it hands out, `context` frames before its first
+        new one: all of the context's but the last `tail`, which the chunk before could not decode (they read the
+        frames after it) and this one can. A request's chunks then join without a gap, as one decode of its frames
+        would give them (dropped, 23 ms of every chunk were missing: 555 samples at 24 kHz)."""
+        return context * self.samples_per_frame - self.tail if context else 0
 
     def _start(self, skip: int) -> int:
         """The first decoder row code2wav needs for the waveform from sample `skip` on (talker.code2wav_native
@@ -422,7 +429,7 @@ class SpeechEngine:
         """code2wav for one group of chunks: on the side stream (into pinned host memory, an event after the
         copy) where there is one, else run to completion here."""
         codes = [s.frames[start - ctx:end] for s, start, end, ctx in group]
-        skip = group[0][3] * self.samples_per_frame  # the left context's samples
+        skip = self._skip(group[0][3])  # the left context's samples but the chunk before's missing tail
         for s, _, end, _ in group:
             s.decoded = end
             s.vocoding += 1
