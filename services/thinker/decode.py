@@ -66,8 +66,7 @@ class DecodeGraphs:
 
     def replay(self, work: list[Work], ids, counters: list[int], laps: Laps) -> tuple:
         """The graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters), replayed.
-        Returns (input embeddings, accept-layer
-        states, logits, tokens drawn), valid until the next replay."""
+        Returns (input embeddings, accept-layer states, logits, tokens drawn), valid until the next replay."""
         n = len(work)
         b = self.graphs.size_for(n)
         inputs = self.inputs[b]
