@@ -41,6 +41,30 @@ def test_native_decoder_gives_transformers_waveforms(code2wav):
         native(codes[:, 1:])
 
 
+def test_a_decode_falls_short_by_the_tail_its_upsamplers_trim_and_no_sample_before_it_reads_later_frames(code2wav):
+    """decoded_tail (what streamed chunks hand over to the next one): a decode of F frames gives F * 1920 - tail
+    samples at any F, each the same as a decode of more frames gives it, the frames after F whatever they are (what
+    lets a short last chunk be padded to a captured length, and the next chunk decode the tail from its context)."""
+    from services.talker.speech import decoded_tail
+
+    tail = decoded_tail(code2wav)
+    assert tail == 555  # the real upsample rates 8, 5, 4, 3: 8 * 60 + 5 * 12 + 4 * 3 + 3
+    gen = torch.Generator().manual_seed(1)
+    vocab, groups = code2wav.config.codebook_size, code2wav.config.num_quantizers
+    codes = torch.randint(0, vocab, (1, groups, 12), generator=gen)
+    with torch.no_grad():
+        longer = code2wav(codes)
+        for frames in (1, 4, 11):
+            wav = code2wav(codes[..., :frames])
+            assert wav.shape[-1] == frames * 1920 - tail
+            assert torch.allclose(wav, longer[..., :wav.shape[-1]], atol=1e-6), frames
+            # and the tail's samples do read the frame after: another next frame changes them, and none before them
+            other = codes[..., :frames + 1].clone()
+            other[..., frames] = (other[..., frames] + 1) % vocab
+            changed = code2wav(other)[..., :frames * 1920] != code2wav(codes[..., :frames + 1])[..., :frames * 1920]
+            assert not changed[..., :wav.shape[-1]].any() and changed[..., wav.shape[-1]:].any(), frames
+
+
 def test_the_decoder_started_late_gives_the_kept_samples(code2wav):
     """A chunk of 50 frames of which the first 25 are context: first_row(skip) is the earliest decoder row the
     sample at `skip` depends on (the first row with a nonzero gradient of that sample, through transformers'
