@@ -74,3 +74,53 @@ def test_routes_by_what_replicas_report_and_around_one_that_does_not_answer():
             await s.stop(None)
 
     asyncio.run(body())
+
+
+def test_a_call_that_finds_its_replica_gone_names_it_and_later_calls_go_around_it():
+    """A replica's server stops (its process died): the call through it fails as UNAVAILABLE naming the stage and
+    the replica, the next picks take the other replica, and once the replica answers its load report again it is
+    picked again. Other failures pass through as they came."""
+    import grpc
+    import pytest
+
+    from conftest import free_ports
+    from omni.stage.v1 import load_pb2
+    from services.runtime.errors import Unavailable
+    from services.runtime.server import LoadServicer, add_service
+
+    async def serve(port: int):
+        server = grpc.aio.server()
+        add_service(server, LoadServicer("thinker", 0, lambda: {}, lambda: 0), load_pb2.DESCRIPTOR.services_by_name["Load"])
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server
+
+    async def body():
+        ports = free_ports(2)
+        servers = [await serve(p) for p in ports]
+        r = Router([Replica(port=ports[0]), Replica(port=ports[1])], stub_cls=lambda ch: None, poll_s=60, stage="thinker")
+        a, b = r.endpoints
+        await r.poll_once()
+        assert a.reachable and b.reachable
+        await servers[0].stop(None)
+        with pytest.raises(Unavailable, match=rf"thinker replica 0 \(127.0.0.1:{ports[0]}\) is unavailable"):
+            with r.use(a):
+                await a.load_stub.Get(load_pb2.LoadRequest(), timeout=5)
+        assert not a.reachable and a.in_flight == 0
+        assert all(r.pick() is b for _ in range(4))  # whatever the tie-break's turn
+        with pytest.raises(grpc.aio.AioRpcError) as other:  # not the replica gone: as it came
+            with r.use(b):
+                await b.channel.unary_unary("/omni.stage.v1.Load/NoSuchMethod")(b"", timeout=5)
+        assert other.value.code() == grpc.StatusCode.UNIMPLEMENTED and b.reachable
+        servers[0] = await serve(ports[0])  # back (restarted)
+        for _ in range(100):  # its channel reconnects after gRPC's backoff (a second or so)
+            await r.poll_once()
+            if a.reachable:
+                break
+            await asyncio.sleep(0.1)
+        assert a.reachable and {r.pick().index for _ in range(4)} == {0, 1}
+        await r.close()
+        for s in servers:
+            await s.stop(None)
+
+    asyncio.run(body())

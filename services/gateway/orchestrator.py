@@ -74,13 +74,14 @@ class Gateway:
         self.spec = OmniSpec.load(cfg.model.dir)
         self.prompts = PromptBuilder(cfg.model.dir, self.spec)
         poll = cfg.gateway.load_poll_ms / 1000
-        self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub, poll_s=poll)
+        self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub, poll_s=poll,
+                                 stage="preprocess")
         self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub, cfg.gateway.encoder_routing == "modality",
-                               poll, cfg.gateway.encoder_routing == "fixed")
+                               poll, cfg.gateway.encoder_routing == "fixed", stage="encoder")
         self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub, cfg.gateway.thinker_routing == "modality",
-                               poll, cfg.gateway.thinker_routing == "fixed")
+                               poll, cfg.gateway.thinker_routing == "fixed", stage="thinker")
         has_talker = bool(cfg.talker.replicas) and self.spec.has_talker
-        self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub, poll_s=poll) if has_talker else None
+        self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub, poll_s=poll, stage="talker") if has_talker else None
         self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions
         self.tts_ids = [self.spec.raw[k] for k in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")]
 

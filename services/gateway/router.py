@@ -2,8 +2,8 @@
 they are preferred for, then by load. Load is this gateway's own calls in flight (fresh the moment it
 picks) plus other callers' work: what the replica last reported through its Load service (polled every
 `poll_s`) less this gateway's calls it may have counted, so a report taken while our own call ran never
-makes the replica look busy after that call ended. A replica whose last poll failed is picked only when
-none answered."""
+makes the replica look busy after that call ended. A replica whose last poll failed, or whose last call found
+it gone, is picked only when none answered."""
 
 import asyncio
 import itertools
@@ -15,6 +15,7 @@ import grpc
 
 from omni.stage.v1 import load_pb2, load_pb2_grpc
 from services.runtime.config import Replica
+from services.runtime.errors import Unavailable
 from services.runtime.server import STAGE_MESSAGE_BYTES, grpc_options
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,11 @@ class Endpoint:
 
 class Router:
     def __init__(self, replicas: list[Replica], stub_cls, by_modality: bool = False, poll_s: float = 0.0,
-                 fixed: bool = False):
+                 fixed: bool = False, stage: str = "stage"):
         """`by_modality`: the replica preferred for a request's output modality while it is the least loaded
-        of them or idle; with `fixed`, that replica whatever its load (a fixed map, as the seed system routes)."""
-        self.by_modality, self.fixed, self.poll_s = by_modality or fixed, fixed, poll_s
+        of them or idle; with `fixed`, that replica whatever its load (a fixed map, as the seed system routes).
+        `stage`: what the replicas are, for errors."""
+        self.by_modality, self.fixed, self.poll_s, self.stage = by_modality or fixed, fixed, poll_s, stage
         self.endpoints = []
         for i, r in enumerate(replicas):
             channel = grpc.aio.insecure_channel(r.address, options=grpc_options(STAGE_MESSAGE_BYTES))
@@ -93,10 +95,20 @@ class Router:
 
     @contextmanager
     def use(self, endpoint: Endpoint):
+        """A call to `endpoint`, counted while it runs. One that finds the replica gone (UNAVAILABLE: its process
+        died or stopped) fails as Unavailable, naming the stage and the replica; with load reports polled, calls
+        then go to the other replicas until its next report answers."""
         endpoint.in_flight += 1
         endpoint.started += 1
         try:
             yield endpoint
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            if self.poll_s > 0 and len(self.endpoints) > 1:  # the poller marks it reachable again when it answers
+                endpoint.reachable = False
+            raise Unavailable(f"{self.stage} replica {endpoint.index} ({endpoint.replica.address}) is unavailable: "
+                              f"{exc.details()}") from exc
         finally:
             endpoint.in_flight -= 1
 

@@ -17,3 +17,7 @@ class ResourceExhausted(OmniError):
 
 class FailedPrecondition(OmniError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(OmniError):
+    code = grpc.StatusCode.UNAVAILABLE
