@@ -312,7 +312,9 @@ def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):
     engine.capture_code2wav(8)
     # contexts 0, 5 and 25 frames, their decodes kept from the chunk before's last 555 samples (engine._skip)
     assert [engine.c2w_graphs[f][2] for f in (5, 30, 50)] == [0, 0, 80]
-    for frames, ctx in ((5, 0), (30, 5), (50, 25), (30, 25)):  # the last: 5 new frames after 25 of context
+    # (30, 25): 5 new frames after 25 of context; (3, 0) and (33, 25): a request's last chunks, of lengths no graph
+    # has, padded to one that holds them
+    for frames, ctx in ((5, 0), (30, 5), (50, 25), (30, 25), (3, 0), (33, 25)):
         codes = torch.randint(0, 2048, (3, frames, engine.groups), generator=gen).tolist()
         skip = engine._skip(ctx)
         with torch.no_grad():
