@@ -227,9 +227,9 @@ class SpeechEngine:
         """Waveforms [B, 1, samples] of code rows [B][frames][groups] of one length, from sample `skip` on:
         replayed from a graph where one is captured for the length and batch (and starts early enough), else
         eagerly. A request's last chunk, shorter than the plan's, is replayed from the graph of the shortest
-        captured length that holds it, its frames followed by zero codes: code2wav is causal (its convolutions and
-        its attention see only earlier frames), so its samples are those of the chunk alone, and the padding's are
-        cut off. Decoded eagerly, 32 requests' last chunks took 144 ms of the talker's step in one go
+        captured length that holds it, its frames followed by zero codes: no sample a decode of the chunk alone gives
+        reads a later frame (only its tail would, decoded_tail), so those samples are the same, and the rest is cut
+        off. Decoded eagerly, 32 requests' last chunks took 144 ms of the talker's step in one go
         (bench/results/talker-1xh200-b32-laps-2ffb8e0.json)."""
         n, frames, start = len(codes), len(codes[0]), self._start(skip)
         fits = [f for f, (_, graphs, at) in self.c2w_graphs.items() if f >= frames and n <= graphs.max_batch and at <= start]
