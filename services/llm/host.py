@@ -68,10 +68,10 @@ def scalar(value, like: torch.Tensor) -> torch.Tensor:
 def wait(event, spin: bool) -> None:
     """Returns once the device has reached `event` (a CUDA event). `spin`: by polling it, the interpreter lock held
     between polls (the interpreter hands it to a thread that asks at its switch interval, as it would from any
-    work of this thread's); otherwise blocked in the driver with the lock released. After a blocking wait as long
-    as a decode step, or polls that yield the CPU between them, the host's next step took twice as long (every
-    phase of it alike, on one machine's H200 host: the caches and clocks of a core left idle); polling, the
-    thinker's host step at 32 requests took 0.53 ms against 1.1-1.6 (bench/results/README.md, "Session 20")."""
+    work of this thread's); otherwise blocked in the driver with the lock released. One run polling every wait
+    took the thinker's host step at 32 requests to 0.53 ms (bench/results/README.md, "Session 20"); session 21's
+    A/B of this form found no gain in either engine (0.92-1.43 ms polled, 0.69-1.79 asleep), so both configs
+    leave it off (`spin_wait`)."""
     if spin:
         while not event.query():
             pass

@@ -240,8 +240,9 @@ class SpeechEngine:
             b = graphs.size_for(n)
             # Through numpy, not torch.tensor(), which converts element by element (services/llm/host.py: 3.5 times
             # slower for a step's page ids): 32 rows of 50 frames are 25,600 codes, at every chunk.
-            rows = np.zeros(buf[:n].shape, dtype=np.int64)
-            rows[:, :, :frames] = np.asarray(codes, dtype=np.int64).transpose(0, 2, 1)
+            rows = np.asarray(codes, dtype=np.int64).transpose(0, 2, 1)
+            if frames < buf.shape[2]:  # a last chunk: zero codes after its frames
+                rows = np.pad(rows, ((0, 0), (0, 0), (0, buf.shape[2] - frames)))
             upload_into(buf[:n], rows)
             if b > n:
                 buf[n:b].zero_()

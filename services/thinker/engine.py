@@ -74,7 +74,7 @@ class NativeThinker:
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
         self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
         self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
-        self._launched, self._launch_turn = [None, None], 0  # launched steps' token buffers and events (_launch_buffers)
+        self._launched, self._launch_turn = [None, None], 0  # launched steps' token buffers and their copies' events (_launch_buffers)
         self.overlapped = 0  # steps launched before the previous one's tokens were read
         # The host's time by phase of its steps (schedule, inputs, plan, launch, queue, finish, rest; and its waits on
         # the device), summed.
