@@ -223,3 +223,21 @@ def test_thinker_stage_with_chat_prompts_counts_the_experts_a_step_reads(bench_d
     end = end if isinstance(end, list) else end["input_ids"]
     assert len(ids) == 24 and ids[-3:].tolist() == end[-3:]  # the assistant's opening, last
     assert not torch.equal(ids, routing.chat_prompts(cfg, 0)(4, 24))  # each request its own text
+
+
+def test_hostprof_times_the_native_thinkers_step_by_function_and_puts_it_back(bench_dir):
+    """bench.hostprof: the engine's step pieces timed inclusively (a step holds its schedule), counted per call, and
+    the functions themselves again once the run is over."""
+    from bench import hostprof
+    from services.llm.scheduler import Scheduler
+    from services.thinker.engine import NativeThinker
+
+    step, schedule = NativeThinker.step, Scheduler.schedule
+    out = bench_dir / "hostprof.json"
+    hostprof.main(["--out", str(out), "--", "--config", str(bench_dir / "mesh.yaml"), "--out", str(bench_dir / "hp.json"),
+                   "--stages", "thinker", "--batches", "2", "--prompt-lens", "8", "--decode-steps", "4",
+                   "--set", "thinker.engine=native", "--set", "thinker.overlap=true"])
+    f = json.loads(out.read_text())["functions"]
+    assert f["NativeThinker.step"]["calls"] == f["Scheduler.schedule"]["calls"] >= 4
+    assert f["NativeThinker.step"]["us_per_call"] > f["Scheduler.schedule"]["us_per_call"] > 0
+    assert NativeThinker.step is step and Scheduler.schedule is schedule

@@ -24,8 +24,26 @@ from services.thinker.decode import DecodeGraphs
 from services.thinker.engine import NativeThinker
 
 
+STAND_IN_SMS = 4  # the stand-in device's multiprocessors (sm_count): a split plan's tiles fit 8 CTAs a KV head
+
+
+def chunk_pages(pages: list[int], page_size: int, max_tiles: int) -> int:
+    """flashinfer 0.6.13's choice of a split decode plan's chunk of pages (PrefillBinarySearchKVChunkSize under CUDA
+    graphs, one query tile a row): the least chunk from 128 tokens up whose tiles fit `max_tiles`, or the longest row."""
+    low, high = max(128 // page_size, 1), max(max(pages), 1)
+    while low < high:
+        mid = (low + high) // 2
+        if sum(-(-max(p, 1) // mid) for p in pages) > max_tiles:
+            low = mid + 1
+        else:
+            high = mid
+    return low
+
+
 class StandInWrapper:
-    """flashinfer 0.6.13's BatchDecodeWithPagedKVCacheWrapper as DecodeAttention uses it, run in PyTorch."""
+    """flashinfer 0.6.13's BatchDecodeWithPagedKVCacheWrapper as DecodeAttention uses it, run in PyTorch. Its module's
+    plan chooses the chunk of pages as flashinfer's does and writes it where flashinfer's schedule holds it; run()
+    checks that the rows' lengths in the page table are ones the last plan's tiles cover."""
 
     def __init__(self, workspace, layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
                  paged_kv_indices_buffer, paged_kv_last_page_len_buffer):
@@ -33,7 +51,9 @@ class StandInWrapper:
         self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
         # What DecodeAttention's direct plan checks and passes through
         self._backend, self._jit_module, self.is_cuda_graph_enabled = "fa2", None, True
-        self._float_workspace_buffer = self._int_workspace_buffer = self._pin_memory_int_workspace_buffer = workspace
+        self._float_workspace_buffer = self._int_workspace_buffer = workspace
+        self._pin_memory_int_workspace_buffer = torch.zeros(64, dtype=torch.uint8)
+        self.tiles = None  # each row's tiles at the last direct plan (None: planned through the wrapper)
         self._cached_module = types.SimpleNamespace(plan=self._module_plan)
         self.wrapper_plans = self.direct_plans = 0
 
@@ -45,14 +65,20 @@ class StandInWrapper:
         self.last[:len(last)].copy_(last)
         self.scale, self.page_size, self.heads = sm_scale, page_size, heads
         self.kv_lens = ((indptr[1:] - indptr[:-1] - 1) * page_size + last).tolist()
+        self.tiles = None
         self.wrapper_plans += 1
 
     def _module_plan(self, float_ws, int_ws, pinned_ws, qo_indptr, kv_indptr, kv_lens, rows, batch, heads, kv_heads,
                      page_size, graph, head_dim_qk, head_dim_vo, causal, window, fixed_split, no_split, ctas):
         assert rows == batch == len(qo_indptr) - 1 == len(kv_lens) and graph and not causal and page_size == self.page_size
-        self.kv_lens = kv_lens.tolist()  # what the kernels would be planned for: run() checks the buffers agree
+        pages = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+        self.chunk = 2**31 - 1 if no_split else chunk_pages(pages, page_size, 2 * STAND_IN_SMS // kv_heads)
+        self.tiles = [-(-p // self.chunk) for p in pages]
+        info = [0] * 15
+        info[9] = 16  # the offset of the chunk (tokens) in the schedule's pinned copy
+        self._pin_memory_int_workspace_buffer[16:20].view(torch.int32)[0] = self.chunk * page_size if not no_split else -1
         self.direct_plans += 1
-        return "plan info"
+        return info
 
     def run(self, q, kv):
         k_cache, v_cache = kv
@@ -61,7 +87,10 @@ class StandInWrapper:
         for i in range(q.shape[0]):
             pages = indices[indptr[i]:indptr[i + 1]]
             n = (len(pages) - 1) * self.page_size + last[i]
-            assert n == self.kv_lens[i], (i, n, self.kv_lens[i])  # the page table sent is the one planned
+            if self.tiles is None:
+                assert n == self.kv_lens[i], (i, n, self.kv_lens[i])  # the page table sent is the one planned
+            else:  # the last plan's tiles cover the row's keys
+                assert -(-len(pages) // self.chunk) == self.tiles[i], (i, len(pages), self.chunk, self.tiles[i])
             k = k_cache[pages].flatten(0, 1)[:n].repeat_interleave(q.shape[1] // k_cache.shape[2], 1)
             v = v_cache[pages].flatten(0, 1)[:n].repeat_interleave(q.shape[1] // k_cache.shape[2], 1)
             weights = torch.einsum("hd,nhd->hn", q[i].float(), k.float()).mul(self.scale).softmax(-1)
@@ -89,9 +118,12 @@ class EagerGraphs(graphs.CapturedGraphs):
 
 
 def stand_in_flashinfer(monkeypatch) -> None:
+    from services.llm import flashinfer_attention
+
     fake = types.SimpleNamespace(__version__="0.6.13", BatchDecodeWithPagedKVCacheWrapper=StandInWrapper,
                                  decode=types.SimpleNamespace(), prefill=types.SimpleNamespace())
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(flashinfer_attention, "sm_count", lambda device: STAND_IN_SMS)
 
 
 def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeThinker:
@@ -117,17 +149,20 @@ def run_together(engine, seqs: list) -> None:
 
 @pytest.mark.parametrize("arrivals", ["staggered", "together", "preempted"])
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("plan", ["wrapper", "direct", "kept"])
 def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, reference, expected, monkeypatch,
-                                                                     overlap, direct, arrivals):
+                                                                     overlap, plan, arrivals):
     """Four requests arriving a step apart (their first steps mixed with others' prompts, eager; the rest in decode
     graphs of 1, 2 and 4 rows) or together, their KV pages 4 tokens long so the page tables grow every few steps
     (rebuilt; between, a step of the same rows advances the last one's table and positions); planned directly,
-    every plan after the capture's skips the wrapper."""
+    every plan after the capture's skips the wrapper, and kept, a plan whose schedule would not change is not run
+    (the stand-in checks that its tiles still cover every row)."""
     # preempted: a cache of 24 blocks, too few for all four, so some are preempted and recomputed, and graphs of
     # four run two or three rows over a cache nearly full (their padding rows' pages on top of every block)
     cache = {"kv_blocks": 24, "max_batched_tokens": 9} if arrivals == "preempted" else {}
-    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct, block_size=4, **cache)
+    direct = plan != "wrapper"
+    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct,
+                      decode_keep_plans=plan == "kept", block_size=4, **cache)
     seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
     (run_staggered if arrivals != "together" else run_together)(engine, seqs)
     for name, seq in zip(CASES, seqs):
@@ -137,7 +172,12 @@ def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, 
     assert sum(a.advanced for a in engine.decode.attention.values()) >= N // 2 - 2
     if arrivals == "preempted":
         assert engine.scheduler.preemptions > 0
-    assert sum(w.direct_plans for w in wrappers) == (engine.decode.graphs.replays if direct else 0)
+    kept = [a.kept for a in engine.decode.attention.values() if a.kept is not None]
+    assert len(kept) == (len(engine.decode.attention) if plan == "kept" else 0)
+    skipped = sum(k.kept for k in kept)
+    assert sum(w.direct_plans for w in wrappers) == (engine.decode.graphs.replays - skipped if direct else 0)
+    if plan == "kept":
+        assert skipped >= N // 2 and sum(k.plans for k in kept) == sum(w.direct_plans for w in wrappers)
     assert all(w.wrapper_plans == 1 for w in wrappers) if direct else sum(w.wrapper_plans for w in wrappers) > N
     if overlap:
         assert engine.overlapped >= N // 2
@@ -233,3 +273,46 @@ def test_each_plan_waits_for_the_last_plans_copy_before_rewriting_its_buffer(mon
         attention.plan([SeqSlice([0, 1], tokens, 1)])
     assert log == ["plan", "record", "query", "synchronize", "plan", "record", "query", "plan", "record"]
     assert attention.copy.waits == 1
+
+
+@pytest.mark.parametrize("batch,max_tiles", [(32, 66), (8, 16), (5, 8)])
+def test_a_kept_plan_is_the_one_flashinfer_would_make_again(batch, max_tiles):
+    """KeptPlan against flashinfer's choice of chunk (chunk_pages): rows growing a page every 16 steps or so, now and
+    then one replaced by a shorter sequence. Whenever it keeps the last plan, a new one would have chosen the same
+    chunk and given every row the same tiles; and it keeps most steps' plans."""
+    import numpy as np
+
+    from services.llm.flashinfer_attention import KeptPlan
+
+    rng = np.random.default_rng(batch)
+    kept = KeptPlan(max_tiles, split=True)
+
+    def plan(pages):
+        chunk = chunk_pages(pages.tolist(), 16, max_tiles)
+        kept.planned(pages.copy(), chunk)
+        return chunk
+
+    pages = rng.integers(8, 200, batch)
+    chunk, keeps, shorter = plan(pages), 0, 0
+    for _ in range(2000):
+        pages = pages + (rng.random(batch) < 1 / 16)
+        if rng.random() < 0.02:  # a row's sequence replaced by a shorter one
+            row = rng.integers(batch)
+            pages[row] = rng.integers(1, pages[row] + 1)
+            shorter += 1
+        if kept.keeps(pages):
+            keeps += 1
+            assert chunk_pages(pages.tolist(), 16, max_tiles) == chunk
+            assert (-(-pages // chunk) == kept.tiles).all()
+        else:
+            chunk = plan(pages)
+    assert shorter > 20 and keeps > 1500 and kept.kept == keeps and kept.plans == 2001 - keeps
+    # A row shorter than it was at the plan, its tiles the same: a smaller chunk may fit now, and would be chosen
+    two = KeptPlan(3, split=True)
+    two.planned(np.array([10, 10]), chunk_pages([10, 10], 128, 3))  # 128-token pages: chunks from one page up
+    assert two.chunk == 10 and chunk_pages([10, 5], 128, 3) == 5 and not two.keeps(np.array([10, 5]))
+    assert two.keeps(np.array([10, 10]))
+    unsplit = KeptPlan(max_tiles, split=False)
+    assert not unsplit.keeps(pages)  # nothing planned yet
+    unsplit.planned(pages, -1)
+    assert unsplit.keeps(pages // 2) and unsplit.keeps(pages * 3) and not unsplit.keeps(pages[1:])

@@ -246,6 +246,19 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
             a.direct_plan = False
     assert direct == plain
     assert sum(a.advanced for a in engine.decode.attention.values()) - advanced >= 20
+    # And with plans kept where flashinfer's would not change (decode_keep_plans): fewer plans, the same tokens
+    from services.llm.flashinfer_attention import KeptPlan, sm_count
+
+    kept = []
+    for a in engine.decode.attention.values():
+        a.direct_plan, a.kept = True, KeptPlan(2 * sm_count(a.cache.k.device) // a.cache.k.shape[3], a.split_kv)
+        kept.append(a.kept)
+    try:
+        assert run(True) == plain
+    finally:
+        for a in engine.decode.attention.values():
+            a.direct_plan, a.kept = False, None
+    assert sum(k.kept for k in kept) >= 20 and sum(k.plans for k in kept) >= 1
 
 
 def test_overlapped_decode_steps_never_wait_on_a_blocking_copy(pair):

@@ -20,6 +20,8 @@ WORKSPACE_BYTES = 256 << 20
 # The flashinfer whose wrapper's plan DecodeAttention's direct plan stands in for (its module's arguments as that
 # version passes them); any other version plans through the wrapper.
 DIRECT_PLAN_VERSION = "0.6.13"
+# Where in that version's plan info (PrefillPlanInfo::ToVector) the offset of the chosen chunk of keys lies
+CHUNK_OFFSET = 9
 
 
 def _page_table(slices: list[SeqSlice], block_size: int):
@@ -133,6 +135,51 @@ class Replays:
         return last is not None and last[:2] == (b, work[0].start - 1) and last[2] == seqs
 
 
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors: flashinfer's split decode plan fills two CTAs on each."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class KeptPlan:
+    """Whether a direct decode plan would give the schedule the last one gave, so it need not run (nor its copy to
+    the device). flashinfer 0.6.13's scheduler (PrefillSplitQOKVIndptr, fa2, CUDA-graph mode, one query tile a row:
+    at most 16 query heads a KV head) reads nothing of a row but its page count, and the kernels read each row's
+    length from the page table the step sends:
+    - unsplit, a row is one tile at any length: every plan of the graph is the same;
+    - split, the plan takes the smallest chunk of C pages (a binary search) whose tiles, the sum of ceil(pages / C),
+      fit `max_tiles` (two CTAs a multiprocessor, per KV head), and cuts each row into its tiles. Where every row
+      has at least the pages it had at the last plan and the same tiles at that C, C still fits and no smaller
+      chunk does (a row's tiles at a chunk never fall as it grows): the search ends at C again, the tiles are
+      the same, and so is everything the plan writes.
+    At 32 requests C is about half a row's pages, and moves as the rows grow: over 256 decode steps of 32 requests
+    from 512 tokens, 10 plans ran, not 259 (bench/results/hostprof-1xh200-bf16-kept-b32-*.json)."""
+
+    def __init__(self, max_tiles: int, split: bool):
+        self.max_tiles, self.split = max_tiles, split
+        self.pages = self.tiles = None  # at the last plan
+        self.chunk = 0
+        self.kept = self.plans = 0
+
+    def forget(self) -> None:
+        self.pages = None
+
+    def keeps(self, pages: np.ndarray) -> bool:
+        p = self.pages
+        same = (p is not None and len(pages) == len(p)
+                and (not self.split or ((pages >= p).all() and np.array_equal(-(-pages // self.chunk), self.tiles))))
+        self.kept += same
+        return same
+
+    def planned(self, pages: np.ndarray, chunk: int) -> None:
+        """A plan ran for rows of `pages`, choosing chunks of `chunk` pages."""
+        self.plans += 1
+        self.pages, self.chunk = pages, chunk
+        if self.split:
+            self.tiles = -(-pages // chunk) if chunk > 0 else None
+            if self.tiles is None or self.tiles.sum() > self.max_tiles:  # not the search's answer: not kept
+                self.pages = None
+
+
 class PlanCopy:
     """The copy a flashinfer plan queues of its schedule (each request's tiles and output rows) to the device, out of
     a pinned host buffer of its wrapper's own (`_pin_memory_int_workspace_buffer`), which the wrapper's next plan
@@ -234,7 +281,7 @@ class DecodeAttention(_Writer):
 
     def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor,
                  tensor_cores: bool = True, split_kv: bool = True, direct_plan: bool = False,
-                 staging: Staging | None = None, offset: int = 0):
+                 staging: Staging | None = None, offset: int = 0, keep_plans: bool = False):
         if not (split_kv or tensor_cores):
             raise ValueError("only flashinfer's tensor-core decode can be planned without splitting the keys")
         import flashinfer
@@ -265,6 +312,8 @@ class DecodeAttention(_Writer):
         self.direct_plan = direct_plan and tensor_cores and getattr(flashinfer, "__version__", "") == DIRECT_PLAN_VERSION
         self._planned_once = False
         self.copy = PlanCopy(dev)
+        kv_heads = cache.k.shape[3]
+        self.kept = KeptPlan(2 * sm_count(dev) // kv_heads, split_kv) if keep_plans and heads // kv_heads <= 16 else None
         self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
         self._last_plan: _Table | None = None
         self.advanced = 0  # plans that advanced the last one's table (steady)
@@ -294,7 +343,6 @@ class DecodeAttention(_Writer):
                                          np.array(last, dtype=np.int32), np.array(slots, dtype=np.int64), bs)
         host_slots[:] = t.slots
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
-        self.copy.wait()
         if self._planned_once and self._direct(words, t, kv_heads, head_dim, bs):
             self.sent = self.offset + 8 * b + 4 * (2 * b + 1 + len(t.indices))
         else:
@@ -305,13 +353,16 @@ class DecodeAttention(_Writer):
             # start only when the device is idle). Its copies fill the page table's device arrays, so the
             # Staging's copy stops before them.
             pages = upload(t.indices, self.cache.k.device, torch.int32)
+            if self.kept is not None:
+                self.kept.forget()
+            self.copy.wait()
             self.wrapper.plan(pinned(t.indptr, torch.int32), pages, pinned(t.last, torch.int32),
                               self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
                               kv_data_type=self.cache.k.dtype, sm_scale=self.scale,
                               **({} if self.split_kv else {"disable_split_kv": True}))
+            self.copy.record()
             self._planned_once = True
             self.sent = self.offset + 8 * b
-        self.copy.record()
         if self.own:
             self.table.send(self.sent)
         return self
@@ -327,13 +378,21 @@ class DecodeAttention(_Writer):
             return False
         b, n = self.batch, len(t.indices)
         words[:b + 1], words[b + 1:2 * b + 1], words[2 * b + 1:2 * b + 1 + n] = t.indptr, t.last, t.indices
+        pages = np.diff(t.indptr)
+        if self.kept is not None and self.kept.keeps(pages):  # the schedule on the device already is this one's
+            return True
         # As BatchDecodeWithPagedKVCacheWrapper.plan (0.6.13) calls it for fa2 on tensor cores: total rows and
         # batch (one query row each), heads, page size, CUDA-graph mode, head dims, not causal, no window, no fixed
         # split, whether to split the keys, no co-located CTAs. It reads the host arrays before it returns.
+        self.copy.wait()
         w._plan_info = w._cached_module.plan(
             w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer, self._qo_indptr,
             torch.from_numpy(t.indptr), torch.from_numpy(t.kv_lens), b, b, self.heads, kv_heads, bs, True, head_dim,
             head_dim, False, -1, -1, not self.split_kv, 0)
+        self.copy.record()
+        if self.kept is not None:  # the chunk of keys it chose (tokens), from its schedule's pinned copy
+            at = int(w._plan_info[CHUNK_OFFSET])
+            self.kept.planned(pages, int(w._pin_memory_int_workspace_buffer[at:at + 4].view(torch.int32)[0]) // bs)
         return True
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:

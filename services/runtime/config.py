@@ -210,6 +210,9 @@ class LMStageConfig(EngineStageConfig):
     # module's plan called directly, the wrapper's checks, conversions and three copies skipped. The thinker's is on
     # (ThinkerConfig); the talker's is off until measured.
     decode_direct_plan: bool = False
+    # A direct plan whose schedule would be the last one's is not run (services.llm.flashinfer_attention.KeptPlan):
+    # flashinfer's scheduler reads only each row's page count, and its tiles change every few hundred tokens.
+    decode_keep_plans: bool = True
     # The engine's waits on the device poll it rather than sleep in the driver (services.llm.host.wait), its thread
     # keeping a core busy and the interpreter lock between polls. Off: polled or asleep, neither engine's step at 32
     # requests was faster in session 21's A/B (bench/results/README.md, "Session 21").
@@ -230,7 +233,7 @@ class LMStageConfig(EngineStageConfig):
                     cuda_graph_max_batch=self.cuda_graph_max_batch, decode_tensor_cores=self.decode_tensor_cores,
                     decode_split_kv_max_batch=self.decode_split_kv_max_batch,
                     decode_direct_plan=self.decode_direct_plan and self.decode_tensor_cores,
-                    spin_wait=self.spin_wait, step_graphs=self.step_graphs, compile=self.compile)
+                    decode_keep_plans=self.decode_keep_plans, spin_wait=self.spin_wait, step_graphs=self.step_graphs, compile=self.compile)
 
 
 @dataclass

@@ -58,7 +58,7 @@ class FrameGraphs:
             self.attention[b] = DecodeAttention(
                 engine.cache, text.head_dim ** -0.5, text.num_attention_heads, b, scratch, engine.workspace,
                 engine.decode_tensor_cores, split_kv(b, engine.decode_split_kv_max_batch), engine.decode_direct_plan,
-                inputs.staging, inputs.extra_offset)
+                inputs.staging, inputs.extra_offset, engine.decode_keep_plans)
             for _ in range(2):  # both staging buffers: what rows not drawn in the graph read until a step fills them
                 ints, floats = inputs.fill()
                 ints[1], floats[:] = len(self.seen) - 1, 1.0

@@ -70,11 +70,12 @@ class NativeTalker(SpeechEngine):
                  compile: bool = False, code2wav_graphs: bool = True, code2wav_stream: bool = True, overlap: bool = False,
                  code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, graph_sampling: bool = False,
                  step_graphs: int = 0, decode_tensor_cores: bool = True, decode_split_kv_max_batch: int = -1,
-                 decode_direct_plan: bool = False, spin_wait: bool = False,
+                 decode_direct_plan: bool = False, decode_keep_plans: bool = False, spin_wait: bool = False,
                  code2wav_fuse: bool = False, code2wav_native: bool = False, frames_first: bool = False):
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         self.decode_direct_plan = decode_direct_plan  # decode graphs' attention planned past flashinfer's wrapper
+        self.decode_keep_plans = decode_keep_plans  # and not replanned where the schedule would not change (KeptPlan)
         if compile:
             fuse()
         config = load_config(model_dir)

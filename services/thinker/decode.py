@@ -35,7 +35,7 @@ class DecodeGraphs:
             self.attention[b] = DecodeAttention(
                 engine.cache, scale, heads, b, scratch, workspace, engine.decode_tensor_cores,
                 split_kv(b, engine.decode_split_kv_max_batch), engine.decode_direct_plan, inputs.staging,
-                inputs.extra_offset)
+                inputs.extra_offset, engine.decode_keep_plans)
             inputs.fill()
             inputs.send(self.attention[b].plan([]).sent)
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)

@@ -68,7 +68,8 @@ class NativeThinker:
                  fp8_fused_quant: bool = False,
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
-                 decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False, spin_wait: bool = False):
+                 decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False, decode_keep_plans: bool = False,
+                 spin_wait: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.spin_wait = spin_wait  # waits on the device's steps poll, not sleep (services.llm.host.wait)
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
@@ -82,6 +83,7 @@ class NativeThinker:
         self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         self.decode_direct_plan = decode_direct_plan  # decode graphs' attention planned past flashinfer's wrapper
+        self.decode_keep_plans = decode_keep_plans  # and not replanned where the schedule would not change (KeptPlan)
         if compile:
             fuse()
         config = load_config(model_dir)

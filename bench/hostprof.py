@@ -1,0 +1,100 @@
+"""Where the host's time a step goes, by function: bench.stages run with timers around the engines' step pieces.
+
+    python -m bench.hostprof [--out FILE.json] -- <bench.stages arguments>
+
+Each named function is wrapped by two clock reads (inclusive time: a function's callees count in it too) and
+its calls counted; the totals over the whole run, divided by the calls, and per decode step (the calls of
+DecodeGraphs.replay: a captured step's; the run's totals where there are none, as on the CPU), are printed and
+written to --out. The wrapped functions' time grows by the clock reads
+(well under a microsecond a call), so the figures sit a little above an unwrapped run's laps.
+"""
+
+import argparse
+import collections
+import functools
+import json
+import sys
+import time
+
+# (module, class or None, attribute): what is timed
+TIMED = [
+    ("services.thinker.engine", "NativeThinker", "step"),
+    ("services.thinker.engine", "NativeThinker", "_launch"),
+    ("services.thinker.engine", "NativeThinker", "_finish"),
+    ("services.thinker.engine", "NativeThinker", "_launch_buffers"),
+    ("services.thinker.decode", "DecodeGraphs", "replay"),
+    ("services.llm.flashinfer_attention", "DecodeAttention", "plan"),
+    ("services.llm.flashinfer_attention", "DecodeAttention", "_direct"),
+    ("services.llm.flashinfer_attention", "_Table", "advance"),
+    ("services.llm.flashinfer_attention", "KeptPlan", "keeps"),
+    ("services.llm.flashinfer_attention", "DecodePages", "__call__"),
+    ("services.llm.flashinfer_attention", "PlanCopy", "wait"),
+    ("services.llm.flashinfer_attention", "PlanCopy", "record"),
+    ("services.llm.flashinfer_attention", "Replays", "steady"),
+    ("services.llm.host", "Staging", "fill"),
+    ("services.llm.host", "Staging", "send"),
+    ("services.llm.graphs", "CapturedGraphs", "replay"),
+    ("services.llm.scheduler", "Scheduler", "schedule"),
+    ("services.llm.scheduler", "Scheduler", "advance"),
+]
+
+
+def wrap(totals: dict, calls: collections.Counter) -> list:
+    """Each TIMED function replaced by its timed wrapper; returns what to put back (unwrap)."""
+    import importlib
+
+    originals = []
+    for module, cls, name in TIMED:
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        if not hasattr(owner, name):
+            print(f"hostprof: {module}.{cls}.{name} not found, not timed", file=sys.stderr)
+            continue
+        fn, label = getattr(owner, name), f"{cls}.{name}" if cls else name
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_label] += time.perf_counter() - t
+                calls[_label] += 1
+
+        originals.append((owner, name, fn))
+        setattr(owner, name, functools.wraps(fn)(timed))
+    return originals
+
+
+def unwrap(originals: list) -> None:
+    for owner, name, fn in originals:
+        setattr(owner, name, fn)
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    args = p.parse_args(ours)
+    totals, calls = collections.defaultdict(float), collections.Counter()
+    originals = wrap(totals, calls)
+    from bench import stages
+
+    try:
+        stages.main(rest)
+    finally:
+        unwrap(originals)
+    steps = calls["DecodeGraphs.replay"] or 1
+    rows = {k: {"calls": calls[k], "us_per_call": round(1e6 * totals[k] / calls[k], 2),
+                "us_per_decode_step": round(1e6 * totals[k] / steps, 2)} for k in sorted(totals, key=totals.get, reverse=True)}
+    for k, r in rows.items():
+        print(f"hostprof {k:34s} calls={r['calls']:6d} us/call={r['us_per_call']:9.2f} us/decode-step={r['us_per_decode_step']:9.2f}")
+    out = {"argv": rest, "decode_steps": steps, "functions": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
