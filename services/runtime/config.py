@@ -211,8 +211,10 @@ class LMStageConfig(EngineStageConfig):
     # (ThinkerConfig); the talker's is off until measured.
     decode_direct_plan: bool = False
     # A direct plan whose schedule would be the last one's is not run (services.llm.flashinfer_attention.KeptPlan):
-    # flashinfer's scheduler reads only each row's page count, and its tiles change every few hundred tokens.
-    decode_keep_plans: bool = True
+    # flashinfer's scheduler reads only each row's page count. 10 plans in 259 steps at 32 requests took 50-190 us a
+    # step off the host (bench/results/README.md, "Session 22"). Off until its GPU test (tests/test_gpu_attention.py:
+    # flashinfer's own plan against each kept one, byte for byte) has run.
+    decode_keep_plans: bool = False
     # The engine's waits on the device poll it rather than sleep in the driver (services.llm.host.wait), its thread
     # keeping a core busy and the interpreter lock between polls. Off: polled or asleep, neither engine's step at 32
     # requests was faster in session 21's A/B (bench/results/README.md, "Session 21").
