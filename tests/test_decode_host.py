@@ -316,3 +316,42 @@ def test_a_kept_plan_is_the_one_flashinfer_would_make_again(batch, max_tiles):
     assert not unsplit.keeps(pages)  # nothing planned yet
     unsplit.planned(pages, -1)
     assert unsplit.keeps(pages // 2) and unsplit.keeps(pages * 3) and not unsplit.keeps(pages[1:])
+
+
+def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
+    """_Table.advance against DecodePages: five rows of staggered lengths, 4-token pages, 40 steps each a token on
+    (a block appended to a table as its last page fills, one table two blocks ahead of need); each step's page ids,
+    pointers, last pages' lengths, slots and key counts as a fresh build gives them. A full page whose table has
+    no next block is not advanced."""
+    import numpy as np
+
+    from services.llm.attention import SeqSlice
+    from services.llm.flashinfer_attention import DecodePages, _Table
+
+    bs, batch, scratch = 4, 8, 999
+    lengths = [3, 4, 5, 9, 16]  # tokens cached before the first step's one
+    tables = [list(range(100 * i, 100 * i + -(-(n + 1) // bs))) for i, n in enumerate(lengths)]
+    tables[1] += [150, 151]  # blocks ahead of need: not pages until the row reaches them
+
+    def build(slices):
+        indptr, indices, last, slots = DecodePages()(slices, bs, batch, scratch)
+        return _Table(slices, np.array(indptr, dtype=np.int32), indices, np.array(last, dtype=np.int32),
+                      np.array(slots, dtype=np.int64), bs)
+
+    t = build([SeqSlice(tb, n, 1) for tb, n in zip(tables, lengths)])
+    grew = 0
+    for step in range(1, 41):
+        for tb, n in zip(tables, lengths):
+            if len(tb) * bs < n + step + 1:
+                tb.append(tb[-1] + 1)
+        slices = [SeqSlice(tb, n + step, 1) for tb, n in zip(tables, lengths)]
+        grew += int((t.last[:len(slices)] == bs).any())
+        assert t.advance(slices, bs)
+        want = build(slices)
+        for name in ("indptr", "indices", "last", "slots", "kv_lens"):
+            assert getattr(t, name).tolist() == getattr(want, name).tolist(), (step, name)
+    assert grew >= 20
+    short = [SeqSlice([7], 3, 1)]  # its one page full after this token: the next has no block
+    t = build(short)
+    before = (t.indices.tolist(), t.last.tolist())
+    assert not t.advance([SeqSlice([7], 4, 1)], bs) and (t.indices.tolist(), t.last.tolist()) == before
