@@ -69,6 +69,38 @@ def alloc_retries(device: torch.device) -> int:
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
+def host_state() -> dict:
+    """This thread's CPU seconds and involuntary context switches, and the machine's CPU time in all and stolen by its
+    hypervisor (/proc/stat, in clock ticks), where the platform gives them: read before and after a run (host_use)."""
+    state = {"cpu_s": time.thread_time()}
+    try:
+        import resource
+
+        state["switches"] = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+    except (ImportError, AttributeError, OSError):
+        pass
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        state["ticks"], state["steal"] = sum(ticks), ticks[7]
+    except (OSError, ValueError, IndexError):
+        pass
+    return state
+
+
+def host_use(before: dict, after: dict, cpu_waited_s: float, steps: int) -> dict:
+    """Between two host_state() reads over `steps` steps: the thread's CPU ms a step outside its waits on the device
+    (`cpu_waited_s`: the engine's Laps.cpu_waited over the run), its involuntary switches a step, and the share of
+    the machine's CPU time its hypervisor stole (%). Wall time a step well above CPU time, with switches or steal,
+    is the machine's doing, not the code's."""
+    out = {"host_cpu_ms_per_step": 1000 * (after["cpu_s"] - before["cpu_s"] - cpu_waited_s) / max(steps, 1)}
+    if "switches" in after:
+        out["involuntary_switches_per_step"] = (after["switches"] - before["switches"]) / max(steps, 1)
+    if "ticks" in after and after["ticks"] > before["ticks"]:
+        out["steal_pct"] = 100 * (after["steal"] - before["steal"]) / (after["ticks"] - before["ticks"])
+    return out
+
+
 def host_ms(step_ms: float, dev_ms: float | None, device: torch.device) -> float | None:
     """The part of a step the device spent waiting on the host: all of it on the CPU, unknown without a profile."""
     if device.type != "cuda":
@@ -136,13 +168,16 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 prefill_s, _ = timed(lambda: prefill(seqs), dev)
                 # Steps back to back, the device drained once before and once after: an engine that overlaps a
                 # step's host work with the previous step's device work shows it (each call launches one step).
-                hosts, launches = [], []
+                hosts, launches, usage = [], [], {}
 
                 def decode():
+                    before, waited = host_state(), getattr(getattr(engine, "laps", None), "cpu_waited", 0.0)
                     for _ in range(steps):
                         engine.step(seqs)
                         hosts.append(getattr(engine, "last_host_s", None))
                         launches.append(getattr(engine, "last_launch_s", None))
+                    if hasattr(engine, "laps"):  # the native engine's: its CPU time inside waits is known
+                        usage.update(host_use(before, host_state(), engine.laps.cpu_waited - waited, steps))
 
                 laps = dict(engine.laps.seconds) if hasattr(engine, "laps") else None  # the native engine's
                 seconds, _ = timed(decode, dev)
@@ -166,6 +201,8 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                        "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries,
                        # the host's ms a step by phase (the native engine's laps; "wait": blocked on the device)
                        **({"host_split_ms": split} if split is not None else {}),
+                       # its CPU ms a step outside waits, involuntary switches a step, hypervisor steal (host_use)
+                       **usage,
                        **({"experts_touched": touched} if args.routing_stats else {})}
 
 

@@ -83,11 +83,14 @@ class Laps:
     """The host's seconds in each phase of its steps, summed over them: `start()` at a step's beginning, then
     `lap(name)` charges the time since the last mark to `name`, less what `waited()` reported inside it (charged
     to "wait" instead). Two clock reads a phase; benches read `seconds` before and after a run and divide the
-    difference by its steps."""
+    difference by its steps. `cpu_waited`: the thread's CPU seconds inside those waits (CUDA may spin in them), so
+    a bench can tell the host's CPU time a step from its wall time (the two part where the machine takes the CPU
+    away: another thread or a hypervisor's steal)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
         self._t, self._waited = time.perf_counter(), 0.0
+        self.cpu_waited = 0.0
 
     def start(self) -> None:
         self._t, self._waited = time.perf_counter(), 0.0
@@ -97,9 +100,10 @@ class Laps:
         self.seconds[name] = self.seconds.get(name, 0.0) + t - self._t - self._waited
         self._t, self._waited = t, 0.0
 
-    def waited(self, seconds: float) -> None:
-        """The host was blocked on the device this long since the last mark."""
+    def waited(self, seconds: float, cpu: float = 0.0) -> None:
+        """The host was blocked on the device this long since the last mark, `cpu` of it on the CPU (thread time)."""
         self._waited += seconds
+        self.cpu_waited += cpu
         self.seconds["wait"] = self.seconds.get("wait", 0.0) + seconds
 
 

@@ -276,11 +276,11 @@ class SpeechEngine:
 
     def wait(self, m) -> None:
         """wait_for(m), its time counted in `waited_s`."""
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         wait_for(m, self.spin_wait)
         t = time.perf_counter() - t
         self.waited_s += t
-        self.laps.waited(t)
+        self.laps.waited(t, time.thread_time() - c)
 
     def runnable(self, seq: TalkerSeq) -> bool:
         """A started request can take its next step: the text its next frame adds is known."""

@@ -323,13 +323,13 @@ class NativeThinker:
     def _finish(self, p: "_Pending") -> list[tuple[ThinkerSeq, ThinkerStep]]:
         """The pending step's tokens, read now (its device work is done or nearly): each placeholder filled,
         each request's output as `_outputs` makes it. Rows of requests freed or ended meanwhile are dropped."""
-        t_wait = time.perf_counter()
+        t_wait, c_wait = time.perf_counter(), time.thread_time()
         if p.event is not None:
             wait(p.event, self.spin_wait)
         tokens = p.host.tolist()
         waited = time.perf_counter() - t_wait
         self.last_wait_s += waited
-        self.laps.waited(waited)
+        self.laps.waited(waited, time.thread_time() - c_wait)
         out = []
         for row, (w, token, placeholder) in enumerate(zip(p.work, tokens, p.placeholders)):
             seq: ThinkerSeq = w.seq.owner
@@ -423,14 +423,14 @@ class NativeThinker:
             chosen = drawn if drawn is not None else sample_batch(logits, [s.params for s in owners], seen, generated,
                                                                   counters=generated)
             self.laps.lap("queue")
-            t_wait = time.perf_counter()
+            t_wait, c_wait = time.perf_counter(), time.thread_time()
             if self.spin_wait and chosen.is_cuda:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
                 wait(done, True)
             tokens = chosen.tolist()  # the step's one wait on the device
             self.last_wait_s = time.perf_counter() - t_wait
-            self.laps.waited(self.last_wait_s)
+            self.laps.waited(self.last_wait_s, time.thread_time() - c_wait)
             sampled = {id(w): t for (w, _), t in zip(ends, tokens)}
         out, row = [], 0
         for w in work:
