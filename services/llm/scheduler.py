@@ -67,14 +67,15 @@ class Scheduler:
                 continue
             n = min(seq.pending, budget)
             need = self._blocks_for(seq, n)
-            while not self.allocator.can_allocate(need):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq not in self.running:
-                continue
-            seq.blocks += self.allocator.allocate(need)
+            if need:  # most decode steps need none: a block holds block_size tokens
+                while not self.allocator.can_allocate(need):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq not in self.running:
+                    continue
+                seq.blocks += self.allocator.allocate(need)
             work.append(Work(seq, seq.computed, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
