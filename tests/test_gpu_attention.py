@@ -8,6 +8,24 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+def capture(attn, heads: int, kv_heads: int, dim: int, layer: int):
+    """`attn` (a DecodeAttention) planned all padding and its forward over `layer` captured in a CUDA graph, as the
+    engines capture it, after a warm-up on a side stream. -> (graph, q, k, v, out): the graph's inputs and output."""
+    q = torch.zeros(attn.batch, heads, dim, dtype=torch.bfloat16, device="cuda:0")
+    k = torch.zeros(attn.batch, kv_heads, dim, dtype=torch.bfloat16, device="cuda:0")
+    v = torch.zeros_like(k)
+    attn.plan([])
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attn.forward(layer, q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = attn.forward(layer, q, k, v)
+    return graph, q, k, v, out
+
+
 @pytest.mark.parametrize("tensor_cores,split_kv,direct", [(True, True, False), (True, False, False), (False, True, False),
                                                           (True, True, True), (True, False, True)])
 def test_decode_attention_matches_the_reference_in_a_graph(tensor_cores, split_kv, direct):
@@ -32,18 +50,7 @@ def test_decode_attention_matches_the_reference_in_a_graph(tensor_cores, split_k
     wrapper_plans = []
     plan = attn.wrapper.plan
     attn.wrapper.plan = lambda *a, **kw: wrapper_plans.append(1) or plan(*a, **kw)
-    q = torch.zeros(batch, heads, dim, dtype=torch.bfloat16, device="cuda:0")
-    k = torch.zeros(batch, kv_heads, dim, dtype=torch.bfloat16, device="cuda:0")
-    v = torch.zeros_like(k)
-    attn.plan([])  # captured all padding, as the engines capture it
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attn.forward(1, q, k, v)  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        out = attn.forward(1, q, k, v)
+    graph, q, k, v, out = capture(attn, heads, kv_heads, dim, 1)
     # Two steps: the sequences as above, then three of them a few tokens on (a direct plan's second staging buffer).
     later = [SeqSlice(t, n + 9, 1) for t, n in zip(tables[1:4], lengths[1:4])]
     for step in (slices, later):
@@ -125,18 +132,7 @@ def test_a_kept_decode_plan_is_the_one_flashinfer_makes_again_and_covers_every_k
     attn = DecodeAttention(cache, dim ** -0.5, heads, batch, sum(need), workspace, True, True, True, keep_plans=True)
     fresh = DecodeAttention(cache, dim ** -0.5, heads, batch, sum(need), torch.zeros_like(workspace), True, True, True)
     fresh.plan([])
-    q = torch.zeros(batch, heads, dim, dtype=torch.bfloat16, device="cuda:0")
-    k = torch.zeros(batch, kv_heads, dim, dtype=torch.bfloat16, device="cuda:0")
-    v = torch.zeros_like(k)
-    attn.plan([])  # captured all padding, as the engines capture it
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attn.forward(0, q, k, v)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        out = attn.forward(0, q, k, v)
+    graph, q, k, v, out = capture(attn, heads, kv_heads, dim, 0)
     compared = 0
     for step in range(steps):
         for t, b, n in zip(tables, blocks, lengths):
