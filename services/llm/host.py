@@ -84,8 +84,8 @@ class Laps:
     `lap(name)` charges the time since the last mark to `name`, less what `waited()` reported inside it (charged
     to "wait" instead). Two clock reads a phase; benches read `seconds` before and after a run and divide the
     difference by its steps. `cpu_waited`: the thread's CPU seconds inside those waits (CUDA may spin in them), so
-    a bench can tell the host's CPU time a step from its wall time (the two part where the machine takes the CPU
-    away: another thread or a hypervisor's steal)."""
+    a bench can tell the host's CPU time a step from its wall time (they differ where the machine takes the CPU
+    away: another thread, another process, a hypervisor's steal)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
