@@ -203,7 +203,7 @@ def test_a_graph_of_few_rows_over_a_full_cache_has_room_for_its_padding_pages(mo
 
 
 def test_a_replay_is_steady_only_for_the_last_ones_rows_one_token_on():
-    from services.llm.flashinfer_attention import Replays
+    from services.llm.decode_plan import Replays
     from services.llm.scheduler import SeqState, Work
 
     a, b = SeqState(tokens=[]), SeqState(tokens=[])
@@ -282,7 +282,7 @@ def test_a_kept_plan_is_the_one_flashinfer_would_make_again(batch, max_tiles):
     chunk and given every row the same tiles; and it keeps most steps' plans."""
     import numpy as np
 
-    from services.llm.flashinfer_attention import KeptPlan
+    from services.llm.decode_plan import KeptPlan
 
     rng = np.random.default_rng(batch)
     kept = KeptPlan(max_tiles, split=True)
@@ -319,14 +319,14 @@ def test_a_kept_plan_is_the_one_flashinfer_would_make_again(batch, max_tiles):
 
 
 def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
-    """_Table.advance against DecodePages: five rows of staggered lengths, 4-token pages, 40 steps each a token on
+    """DecodeTable.advance against DecodePages: five rows of staggered lengths, 4-token pages, 40 steps each a token on
     (a block appended to a table as its last page fills, one table two blocks ahead of need); each step's page ids,
     pointers, last pages' lengths, slots and key counts as a fresh build gives them. A full page whose table has
     no next block is not advanced."""
     import numpy as np
 
     from services.llm.attention import SeqSlice
-    from services.llm.flashinfer_attention import DecodePages, _Table
+    from services.llm.decode_plan import DecodePages, DecodeTable
 
     bs, batch, scratch = 4, 8, 999
     lengths = [3, 4, 5, 9, 16]  # tokens cached before the first step's one
@@ -335,7 +335,7 @@ def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
 
     def build(slices):
         indptr, indices, last, slots = DecodePages()(slices, bs, batch, scratch)
-        return _Table(slices, np.array(indptr, dtype=np.int32), indices, np.array(last, dtype=np.int32),
+        return DecodeTable(slices, np.array(indptr, dtype=np.int32), indices, np.array(last, dtype=np.int32),
                       np.array(slots, dtype=np.int64), bs)
 
     t = build([SeqSlice(tb, n, 1) for tb, n in zip(tables, lengths)])

@@ -247,7 +247,7 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     assert direct == plain
     assert sum(a.advanced for a in engine.decode.attention.values()) - advanced >= 20
     # And with plans kept where flashinfer's would not change (decode_keep_plans): fewer plans, the same tokens
-    from services.llm.flashinfer_attention import KeptPlan, sm_count
+    from services.llm.decode_plan import KeptPlan, sm_count
 
     kept = []
     for a in engine.decode.attention.values():

@@ -95,7 +95,7 @@ def test_decode_page_tables_follow_their_growing_and_replaced_block_tables():
 
     import numpy as np
 
-    from services.llm.flashinfer_attention import DecodePages
+    from services.llm.decode_plan import DecodePages
 
     rng = random.Random(0)
     pages, bs, batch, scratch = DecodePages(), 4, 8, 999

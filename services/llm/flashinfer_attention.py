@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from services.llm.attention import SeqSlice, kv_slots, write_kv
+from services.llm.decode_plan import DecodePages, DecodeTable, KeptPlan, PlanCopy, sm_count
 from services.llm.host import Staging, pinned, upload
 from services.llm.kv_cache import KVCache
 
@@ -50,171 +51,6 @@ def quick_max(*modules) -> None:
     """`max` in each module's globals is one_op_max: the name a module's code looks up before the builtin."""
     for module in modules:
         module.max = one_op_max
-
-
-class DecodePages:
-    """A decode step's page table (flashinfer's indptr, page ids, last pages' lengths) padded to a batch, each
-    sequence's block table turned into an array once and again only when it grows (a block every block_size
-    tokens) or is replaced (preempted, freed): rebuilt from the lists every step, a step of 32 requests of 2k
-    tokens converted 4,096 ids (bench/results/host-lists-cpu-3af9a3e.json). A table is only ever appended to or
-    replaced by a new list (services.llm.scheduler), so its length says whether its array is current."""
-
-    def __init__(self):
-        self.arrays: dict[int, tuple[list[int], np.ndarray]] = {}  # id(block table) -> (the table, its array)
-
-    def __call__(self, slices: list[SeqSlice], block_size: int, batch: int, pad_page: int):
-        """-> (indptr [batch + 1] list, page ids [indptr[-1]] int32 array, last page lengths [batch] list, the
-        KV slot of each sequence's one new token [batch] list): rows past `slices` each hold one page,
-        `pad_page`, one token long, and write to its first slot."""
-        indptr, last, slots, parts, kept = [0], [], [], [], {}
-        for s in slices:
-            table = s.block_table
-            got = self.arrays.get(id(table))
-            if got is None or got[0] is not table or len(got[1]) != len(table):
-                got = table, np.asarray(table, dtype=np.int32)
-            kept[id(table)] = got  # holding the table: its id names no other list meanwhile
-            total = s.cached + s.n
-            pages = -(-total // block_size)
-            parts.append(got[1][:pages])
-            indptr.append(indptr[-1] + pages)
-            used = total - (pages - 1) * block_size
-            last.append(used)
-            slots.append(table[pages - 1] * block_size + used - 1)
-        self.arrays = kept  # the tables of sequences gone from the batch are let go
-        pad = batch - len(slices)
-        indptr += [indptr[-1] + 1 + i for i in range(pad)]
-        parts.append(np.full(pad, pad_page, dtype=np.int32))
-        return indptr, np.concatenate(parts), last + [1] * pad, slots + [pad_page * block_size] * pad
-
-
-class _Table:
-    """A decode plan's page table and slots as arrays (`rows` real rows, then padding), kept for the next plan."""
-
-    def __init__(self, slices: list[SeqSlice], indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
-                 slots: np.ndarray, block_size: int):
-        self.rows, self.indptr, self.indices, self.last, self.slots = len(slices), indptr, indices, last, slots
-        self.kv_lens = ((np.diff(indptr) - 1) * block_size + last).astype(np.int32)  # each row's keys, its new one's too
-
-    def advance(self, slices: list[SeqSlice], block_size: int) -> bool:
-        """Each real row one token on (`slices`: the same sequences, in order): in its last page, or where that page
-        is full, in the first slot of the next block of its table, inserted in the page ids. False (nothing changed)
-        where a full page's table has no next block. Only full pages' tables are read: a step of 32 requests reads
-        a table or two, where reading every table's length was part of its 113-230 us a step on the lent H200s
-        (bench/results/hostprof-1xh200-bf16-*-c9188ca.json)."""
-        n = self.rows
-        full = np.flatnonzero(self.last[:n] == block_size)
-        if len(full):
-            rows, pages = full.tolist(), (self.indptr[full + 1] - self.indptr[full]).tolist()
-            tables = [slices[i].block_table for i in rows]
-            if any(len(t) <= p for t, p in zip(tables, pages)):
-                return False
-            new = np.array([t[p] for t, p in zip(tables, pages)], dtype=np.int32)
-        self.last[:n] += 1
-        self.slots[:n] += 1
-        self.kv_lens[:n] += 1
-        if len(full):  # each new page after its row's last (np.insert: 10-45 us for this on a CPU here)
-            at = self.indptr[full + 1] + np.arange(len(full))
-            indices = np.empty(len(self.indices) + len(full), dtype=self.indices.dtype)
-            before = np.ones(len(indices), dtype=bool)
-            before[at] = False
-            indices[before], indices[at] = self.indices, new
-            self.indices = indices
-            self.indptr[1:] += np.cumsum(np.bincount(full, minlength=len(self.indptr) - 1), dtype=np.int32)
-            self.last[full], self.slots[full] = 1, new.astype(np.int64) * block_size
-        return True
-
-
-class Replays:
-    """Whether a decode replay takes the last one's rows one token on (what DecodeAttention.plan's `steady` vouches
-    for): the same graph size and sequences in the same order, its first row one position further, and no other
-    step run between (the engine calls forget() for those)."""
-
-    def __init__(self):
-        self._last = None  # (graph size, first row's position, sequences) of the last replay
-
-    def forget(self) -> None:
-        self._last = None
-
-    def steady(self, b: int, work: list) -> bool:
-        """For a replay of `work` (scheduler Work rows) in the graph of size `b`, about to run; remembered as the last."""
-        seqs, last = [w.seq for w in work], self._last
-        self._last = b, work[0].start, seqs
-        return last is not None and last[:2] == (b, work[0].start - 1) and last[2] == seqs
-
-
-def sm_count(device: torch.device) -> int:
-    """The device's multiprocessors: flashinfer's split decode plan fills two CTAs on each."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-class KeptPlan:
-    """Whether a direct decode plan would give the schedule the last one gave, so it need not run (nor its copy to
-    the device). flashinfer 0.6.13's scheduler (PrefillSplitQOKVIndptr, fa2, CUDA-graph mode, one query tile a row:
-    at most 16 query heads a KV head) reads nothing of a row but its page count, and the kernels read each row's
-    length from the page table the step sends:
-    - unsplit, a row is one tile at any length: every plan of the graph is the same;
-    - split, the plan takes the smallest chunk of C pages (a binary search) whose tiles, the sum of ceil(pages / C),
-      fit `max_tiles` (two CTAs a multiprocessor, per KV head), and cuts each row into its tiles. Where every row
-      has at least the pages it had at the last plan and the same tiles at that C, C still fits and no smaller
-      chunk does (a row's tiles at a chunk never fall as it grows): the search ends at C again, the tiles are
-      the same, and so is everything the plan writes.
-    At 32 requests C is about half a row's pages, and moves as the rows grow: over 256 decode steps of 32 requests
-    from 512 tokens, 10 plans ran, not 259 (bench/results/hostprof-1xh200-bf16-kept-b32-*.json)."""
-
-    def __init__(self, max_tiles: int, split: bool):
-        self.max_tiles, self.split = max_tiles, split
-        self.pages = self.tiles = None  # at the last plan
-        self.chunk = 0
-        self.kept = self.plans = 0
-
-    def forget(self) -> None:
-        self.pages = None
-
-    def keeps(self, pages: np.ndarray) -> bool:
-        p = self.pages
-        same = (p is not None and len(pages) == len(p)
-                and (not self.split or ((pages >= p).all() and np.array_equal(-(-pages // self.chunk), self.tiles))))
-        self.kept += same
-        return same
-
-    def planned(self, pages: np.ndarray, chunk: int) -> None:
-        """A plan ran for rows of `pages`, choosing chunks of `chunk` pages."""
-        self.plans += 1
-        self.pages, self.chunk = pages, chunk
-        if self.split:
-            self.tiles = -(-pages // chunk) if chunk > 0 else None
-            if self.tiles is None or self.tiles.sum() > self.max_tiles:  # not the search's answer: not kept
-                self.pages = None
-
-
-class PlanCopy:
-    """The copy a flashinfer plan queues of its schedule (each request's tiles and output rows) to the device, out of
-    a pinned host buffer of its wrapper's own (`_pin_memory_int_workspace_buffer`), which the wrapper's next plan
-    rewrites: that plan first waits for the copy to have run. Queued behind the work the device is still running,
-    the copy may not have run when the host plans again, where steps go out ahead of the device (overlapped frame
-    steps beside prompts, chunked prompts replayed from graphs): the step would then attend by the next one's
-    schedule. In the mesh on one H200 that was an illegal memory access in the talker at 32 speech requests
-    (bench/results/1xh200-mesh-speech-54d542c.json); launched one by one (CUDA_LAUNCH_BLOCKING) it never came."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.event = torch.cuda.Event() if device.type == "cuda" else None
-        self.pending = False  # a plan's copy was queued and not yet seen done
-        self.waits = 0  # plans that found the last one's copy still queued
-
-    def wait(self) -> None:
-        """Before a plan: the last plan's copy has run."""
-        if self.pending:
-            if not self.event.query():
-                self.waits += 1
-                self.event.synchronize()
-            self.pending = False
-
-    def record(self) -> None:
-        """After a plan: its copy is queued on the current stream."""
-        if self.event is not None:
-            self.event.record(torch.cuda.current_stream(self.device))
-            self.pending = True
 
 
 def _slots(slices: list[SeqSlice], block_size: int) -> list[int]:
@@ -322,7 +158,7 @@ class DecodeAttention(_Writer):
         kv_heads = cache.k.shape[3]
         self.kept = KeptPlan(2 * sm_count(dev) // kv_heads, split_kv) if keep_plans and heads // kv_heads <= 16 else None
         self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
-        self._last_plan: _Table | None = None
+        self._last_plan: DecodeTable | None = None
         self.advanced = 0  # plans that advanced the last one's table (steady)
 
     @staticmethod
@@ -336,7 +172,7 @@ class DecodeAttention(_Writer):
         Staging, its current buffer (the caller's fill()) takes them, and the caller sends `sent` bytes of it.
 
         `steady`: the caller vouches that `slices` are the last plan's sequences in its order, each one token on
-        (their block tables grown, not replaced): the last plan's table is then advanced a token (_Table.advance),
+        (their block tables grown, not replaced): the last plan's table is then advanced a token (DecodeTable.advance),
         not rebuilt from the block tables."""
         if self.own:
             self.table.fill()
@@ -346,8 +182,8 @@ class DecodeAttention(_Writer):
             self.advanced += 1
         else:
             indptr, indices, last, slots = self.pages(slices, bs, b, self.scratch)
-            t = self._last_plan = _Table(slices, np.array(indptr, dtype=np.int32), indices,
-                                         np.array(last, dtype=np.int32), np.array(slots, dtype=np.int64), bs)
+            t = self._last_plan = DecodeTable(slices, np.array(indptr, dtype=np.int32), indices,
+                                              np.array(last, dtype=np.int32), np.array(slots, dtype=np.int64), bs)
         host_slots[:] = t.slots
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
         if self._planned_once and self._direct(words, t, kv_heads, head_dim, bs):
@@ -374,7 +210,7 @@ class DecodeAttention(_Writer):
             self.table.send(self.sent)
         return self
 
-    def _direct(self, words: np.ndarray, t: "_Table", kv_heads: int, head_dim: int, bs: int) -> bool:
+    def _direct(self, words: np.ndarray, t: "DecodeTable", kv_heads: int, head_dim: int, bs: int) -> bool:
         """The plan without flashinfer's wrapper (`direct_plan`, flashinfer DIRECT_PLAN_VERSION's fa2 tensor-core
         path, after one plan through the wrapper has chosen its module): the page table written into `words` (the
         staging buffer's view of it, sent by the Staging's one copy), and the module's plan called with the

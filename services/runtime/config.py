@@ -210,7 +210,7 @@ class LMStageConfig(EngineStageConfig):
     # module's plan called directly, the wrapper's checks, conversions and three copies skipped. The thinker's is on
     # (ThinkerConfig); the talker's is off until measured.
     decode_direct_plan: bool = False
-    # A direct plan whose schedule would be the last one's is not run (services.llm.flashinfer_attention.KeptPlan):
+    # A direct plan whose schedule would be the last one's is not run (services.llm.decode_plan.KeptPlan):
     # flashinfer's scheduler reads only each row's page count. 10 plans in 259 steps at 32 requests took 50-190 us a
     # step off the host (bench/results/README.md, "Session 22"). Off until its GPU test (tests/test_gpu_attention.py:
     # flashinfer's own plan against each kept one, byte for byte) has run.

@@ -36,7 +36,8 @@ class FrameGraphs:
     the mask of codes drawn its draws read (the engine's, as it was at capture)."""
 
     def __init__(self, engine, sizes: list[int], scratch: int, text, draws: bool):
-        from services.llm.flashinfer_attention import DecodeAttention, Replays, split_kv
+        from services.llm.decode_plan import Replays
+        from services.llm.flashinfer_attention import DecodeAttention, split_kv
         from services.llm.graphs import CapturedGraphs
 
         device, talker, moe = engine.device, engine.talker, engine.moe

@@ -23,7 +23,8 @@ class DecodeGraphs:
     each graph reads; `body` is what each one records (bench.streams runs it on streams of its own)."""
 
     def __init__(self, engine, max_batch: int, scratch: int, scale: float, heads: int, workspace):
-        from services.llm.flashinfer_attention import DecodeAttention, Replays, split_kv
+        from services.llm.decode_plan import Replays
+        from services.llm.flashinfer_attention import DecodeAttention, split_kv
         from services.llm.graphs import CapturedGraphs, ladder
 
         sizes = ladder(max_batch)
