@@ -55,12 +55,15 @@ def test_captured_frame_steps_give_transformers_codes(tiny_model, cases, monkeyp
 
 def test_captured_frame_steps_of_preempted_requests_give_transformers_codes(tiny_model, cases, monkeypatch):
     """A cache of 20 blocks of 4 tokens, too few for all four requests: some are preempted and recomputed between
-    frame steps, each resumed step's plan rebuilt."""
+    frame steps, each resumed step's plan rebuilt; plans kept where flashinfer's would not change (the stand-in
+    checks that the kept tiles cover every row)."""
     data, spec = cases
     engine = captured(tiny_model, monkeypatch, 4, overlap=True, decode_direct_plan=True, graph_sampling=True,
-                      kv_blocks=20, block_size=4, max_batched_tokens=8)
+                      kv_blocks=20, block_size=4, max_batched_tokens=8, decode_keep_plans=True)
     seqs, _ = speak(engine, data, spec, list(data))
     for name, seq in seqs.items():
         assert seq.frames == data[name]["codes"] and seq.frames, name
     assert engine.scheduler.preemptions > 0 and engine.decode.graphs.replays >= FRAMES - 1
+    kept = [a.kept for a in engine.decode.attention.values()]
+    assert all(k is not None for k in kept) and sum(k.kept for k in kept) >= FRAMES // 2
     assert engine.scheduler.allocator.used == 0 and not engine.states
