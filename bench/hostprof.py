@@ -7,6 +7,9 @@ its calls counted; the totals over the whole run, divided by the calls, and per 
 DecodeGraphs.replay: a captured step's; the run's totals where there are none, as on the CPU), are printed and
 written to --out. The wrapped functions' time grows by the clock reads
 (well under a microsecond a call), so the figures sit a little above an unwrapped run's laps.
+
+host_state() and host_use() give the benches' decode cells the thread's CPU time a step beside its wall time,
+and what took the CPU away from it (involuntary switches, a hypervisor's steal).
 """
 
 import argparse
@@ -37,6 +40,38 @@ TIMED = [
     ("services.llm.scheduler", "Scheduler", "schedule"),
     ("services.llm.scheduler", "Scheduler", "advance"),
 ]
+
+
+def host_state() -> dict:
+    """This thread's CPU seconds and involuntary context switches, and the machine's CPU time in all and stolen by its
+    hypervisor (/proc/stat, in clock ticks), where the platform gives them: read before and after a run (host_use)."""
+    state = {"cpu_s": time.thread_time()}
+    try:
+        import resource
+
+        state["switches"] = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+    except (ImportError, AttributeError, OSError):
+        pass
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        state["ticks"], state["steal"] = sum(ticks), ticks[7]
+    except (OSError, ValueError, IndexError):
+        pass
+    return state
+
+
+def host_use(before: dict, after: dict, cpu_waited_s: float, steps: int) -> dict:
+    """Between two host_state() reads over `steps` steps: the thread's CPU ms a step outside its waits on the device
+    (`cpu_waited_s`: the engine's Laps.cpu_waited over the run), its involuntary switches a step, and the share of
+    the machine's CPU time its hypervisor stole (%). Wall time a step well above CPU time, with switches or steal,
+    is the machine's doing, not the code's."""
+    out = {"host_cpu_ms_per_step": 1000 * (after["cpu_s"] - before["cpu_s"] - cpu_waited_s) / max(steps, 1)}
+    if "switches" in after:
+        out["involuntary_switches_per_step"] = (after["switches"] - before["switches"]) / max(steps, 1)
+    if "ticks" in after and after["ticks"] > before["ticks"]:
+        out["steal_pct"] = 100 * (after["steal"] - before["steal"]) / (after["ticks"] - before["ticks"])
+    return out
 
 
 def wrap(totals: dict, calls: collections.Counter) -> list:

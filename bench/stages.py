@@ -26,6 +26,7 @@ import yaml
 
 from bench import results
 from bench.code2wav import code2wav_cells
+from bench.hostprof import host_state, host_use
 from bench.talker import talker_cells
 from bench.routing import chat_prompts, experts_touched
 from bench.workloads import clip_wav, image_png
@@ -67,38 +68,6 @@ def device_ms(fn, device: torch.device) -> float | None:
 def alloc_retries(device: torch.device) -> int:
     """Times the CUDA caching allocator ran out, freed its cache and tried again (each one waits on the device)."""
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
-
-
-def host_state() -> dict:
-    """This thread's CPU seconds and involuntary context switches, and the machine's CPU time in all and stolen by its
-    hypervisor (/proc/stat, in clock ticks), where the platform gives them: read before and after a run (host_use)."""
-    state = {"cpu_s": time.thread_time()}
-    try:
-        import resource
-
-        state["switches"] = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
-    except (ImportError, AttributeError, OSError):
-        pass
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-        state["ticks"], state["steal"] = sum(ticks), ticks[7]
-    except (OSError, ValueError, IndexError):
-        pass
-    return state
-
-
-def host_use(before: dict, after: dict, cpu_waited_s: float, steps: int) -> dict:
-    """Between two host_state() reads over `steps` steps: the thread's CPU ms a step outside its waits on the device
-    (`cpu_waited_s`: the engine's Laps.cpu_waited over the run), its involuntary switches a step, and the share of
-    the machine's CPU time its hypervisor stole (%). Wall time a step well above CPU time, with switches or steal,
-    is the machine's doing, not the code's."""
-    out = {"host_cpu_ms_per_step": 1000 * (after["cpu_s"] - before["cpu_s"] - cpu_waited_s) / max(steps, 1)}
-    if "switches" in after:
-        out["involuntary_switches_per_step"] = (after["switches"] - before["switches"]) / max(steps, 1)
-    if "ticks" in after and after["ticks"] > before["ticks"]:
-        out["steal_pct"] = 100 * (after["steal"] - before["steal"]) / (after["ticks"] - before["ticks"])
-    return out
 
 
 def host_ms(step_ms: float, dev_ms: float | None, device: torch.device) -> float | None:

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from bench.hostprof import host_state, host_use
 from bench.workloads import FRAMES_PER_SECOND, ascii_prompt
 from services.llm.host import laps_per_step
 from services.llm.mrope import Layout
@@ -89,11 +90,14 @@ def talker_cells(cfg: MeshConfig, device: str, args):
 
         def decode():
             nonlocal steps
+            state, cpu_waited = host_state(), engine.laps.cpu_waited
             t = time.perf_counter()
             while ready := [s for s in seqs if engine.ready(s)]:
                 engine.step(ready)
                 steps += 1
                 walls.append(-t + (t := time.perf_counter()))
+            # the host thread's CPU ms a step outside its waits, involuntary switches a step, hypervisor steal
+            run_stats.update(host_use(state, host_state(), engine.laps.cpu_waited - cpu_waited, steps))
 
         waited, laps = engine.waited_s, dict(engine.laps.seconds)
         with Pauses() as pauses:

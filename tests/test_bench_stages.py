@@ -38,6 +38,8 @@ def test_stage_benchmarks(bench_dir):
         assert 0 < talker["step_ms_p50"] <= talker["step_ms_p90"] <= talker["step_ms_max"]
         assert talker["step_ms_max"] <= 1000 * talker["seconds"] and all(0 <= i < talker["steps"] for i in talker["slowest_steps"])
         assert talker["gc_passes"] >= 0 and 0 <= talker["gc_max_ms"] <= talker["gc_ms"] <= 1000 * talker["seconds"]
+        # the host thread's CPU time a step outside its waits, within the step's wall time
+        assert 0 < talker["host_cpu_ms_per_step"] <= talker["step_ms"] * 1.01, talker
         for item in ("image", "audio"):
             assert by[(("stage", "encoder"), ("item", item), ("batch", b))]["items_per_s"] > 0
     assert report.main([str(out)])[0].read_text().count("## ") == 5
