@@ -5,8 +5,8 @@
 Each named function is wrapped by two clock reads (inclusive time: a function's callees count in it too) and
 its calls counted; the totals over the whole run, divided by the calls, and per decode step (the calls of
 DecodeGraphs.replay: a captured step's; the run's totals where there are none, as on the CPU), are printed and
-written to --out. The wrapped functions' time grows by the clock reads
-(well under a microsecond a call), so the figures sit a little above an unwrapped run's laps.
+written to --out. The wrapped functions' time grows by the clock reads (well under a microsecond a call), so the
+figures sit a little above an unwrapped run's laps.
 
 host_state() and host_use() give the benches' decode cells the thread's CPU time a step beside its wall time,
 and what took the CPU away from it (involuntary switches, a hypervisor's steal).

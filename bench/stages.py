@@ -140,7 +140,7 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 hosts, launches, usage = [], [], {}
 
                 def decode():
-                    before, waited = host_state(), getattr(getattr(engine, "laps", None), "cpu_waited", 0.0)
+                    before, waited = host_state(), engine.laps.cpu_waited if hasattr(engine, "laps") else 0.0
                     for _ in range(steps):
                         engine.step(seqs)
                         hosts.append(getattr(engine, "last_host_s", None))

@@ -155,8 +155,9 @@ class DecodeAttention(_Writer):
         self.direct_plan = direct_plan and tensor_cores and getattr(flashinfer, "__version__", "") == DIRECT_PLAN_VERSION
         self._planned_once = False
         self.copy = PlanCopy(dev)
-        kv_heads = cache.k.shape[3]
-        self.kept = KeptPlan(2 * sm_count(dev) // kv_heads, split_kv) if keep_plans and heads // kv_heads <= 16 else None
+        kv_heads = cache.k.shape[3]  # plans kept only where they are direct: KeptPlan reads the direct plan's schedule
+        self.kept = (KeptPlan(2 * sm_count(dev) // kv_heads, split_kv)
+                     if keep_plans and self.direct_plan and heads // kv_heads <= 16 else None)
         self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
         self._last_plan: DecodeTable | None = None
         self.advanced = 0  # plans that advanced the last one's table (steady)
