@@ -26,6 +26,26 @@ def capture(attn, heads: int, kv_heads: int, dim: int, layer: int):
     return graph, q, k, v, out
 
 
+def schedule(wrapper) -> dict[str, list[int]]:
+    """What a split decode plan of flashinfer 0.6.13 (PrefillPlan, CUDA-graph mode) wrote into `wrapper`'s pinned
+    int workspace for the kernels to read, by name: each CTA's request and tiles (as many as its valid mask holds
+    ones; the rest of their room is what earlier plans left, which the kernels skip), the output and merge row
+    pointers, the chunk of keys, the total rows and the valid mask."""
+    info = [int(x) for x in wrapper._plan_info]  # PrefillPlanInfo::ToVector
+    padded, rows = info[0], info[1]
+    buf = wrapper._pin_memory_int_workspace_buffer
+
+    def ints(offset: int, n: int) -> list[int]:
+        return buf[offset:offset + 4 * n].view(torch.int32).tolist()
+
+    mask = buf[info[12]:info[12] + padded].tolist()
+    ctas = sum(mask)
+    assert mask == [1] * ctas + [0] * (padded - ctas), "a valid mask is its CTAs' ones, then padding"
+    return {"request": ints(info[4], ctas), "qo_tile": ints(info[5], ctas), "kv_tile": ints(info[6], ctas),
+            "merge_indptr": ints(info[7], rows + 1), "o_indptr": ints(info[8], rows + 1), "chunk": ints(info[9], 1),
+            "total_rows": ints(info[2], 1), "mask": mask}
+
+
 @pytest.mark.parametrize("tensor_cores,split_kv,direct", [(True, True, False), (True, False, False), (False, True, False),
                                                           (True, True, True), (True, False, True)])
 def test_decode_attention_matches_the_reference_in_a_graph(tensor_cores, split_kv, direct):
@@ -112,8 +132,9 @@ def test_a_step_planned_behind_a_busy_device_attends_by_its_own_plan_not_the_nex
 def test_a_kept_decode_plan_is_the_one_flashinfer_makes_again_and_covers_every_key():
     """32 sequences of 490 to 560 tokens decoding 300 more in a graph of 32, planned directly with plans kept
     (KeptPlan): whenever a plan is kept, flashinfer's own plan for the same rows (on a second wrapper) writes the
-    schedule the kept one last wrote, byte for byte; and at every step each row attends to its newest key (made to
-    dominate its scores), which a schedule whose tiles stop short of the row's end would miss."""
+    schedule the kept one last wrote (every entry its kernels read: schedule()); and at every step each row attends
+    to its newest key (made to dominate its scores), which a schedule whose tiles stop short of the row's end would
+    miss."""
     from services.llm.attention import SeqSlice
     from services.llm.flashinfer_attention import WORKSPACE_BYTES, DecodeAttention
     from services.llm.kv_cache import KVCache
@@ -148,11 +169,8 @@ def test_a_kept_decode_plan_is_the_one_flashinfer_makes_again_and_covers_every_k
         graph.replay()
         if attn.kept.kept > kept:
             fresh.plan(slices)
-            info = [int(x) for x in fresh.wrapper._plan_info]
-            assert [int(x) for x in attn.wrapper._plan_info] == info
-            end = info[12] + info[0]  # the last thing a split plan writes: its CTAs' valid mask
-            assert torch.equal(attn.wrapper._pin_memory_int_workspace_buffer[:end],
-                               fresh.wrapper._pin_memory_int_workspace_buffer[:end]), step
+            assert [int(x) for x in attn.wrapper._plan_info] == [int(x) for x in fresh.wrapper._plan_info]
+            assert schedule(attn.wrapper) == schedule(fresh.wrapper), step
             compared += 1
         want = v.float().repeat_interleave(heads // kv_heads, dim=1)
         cos = torch.nn.functional.cosine_similarity(out.float(), want, dim=-1)
