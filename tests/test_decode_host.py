@@ -110,6 +110,8 @@ class EagerGraphs(graphs.CapturedGraphs):
     def replay(self, b: int) -> tuple:
         if b in self.attention:
             a = self.attention[b]
+            if a.table.loaded:  # what the graph loads first (again in its body)
+                a.table.load()
             last_pages = a.indices[a.indptr[1:].long() - 1].long()
             bs = a.cache.block_size
             assert a.slot_mapping.tolist() == (last_pages * bs + a.last - 1).tolist()
@@ -133,7 +135,7 @@ def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeTh
     engine = NativeThinker(tiny_model, **engine_args)
     tc = load_config(tiny_model).thinker_config.text_config
     engine.decode = DecodeGraphs(engine, max_batch, engine.scheduler.allocator.num_blocks, tc.head_dim ** -0.5,
-                                 tc.num_attention_heads, None)
+                                 tc.num_attention_heads, None, engine.decode_mapped_io)
     engine.decode.graphs.attention = engine.decode.attention
     return engine
 
@@ -149,20 +151,23 @@ def run_together(engine, seqs: list) -> None:
 
 @pytest.mark.parametrize("arrivals", ["staggered", "together", "preempted"])
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("plan", ["wrapper", "direct", "kept"])
+@pytest.mark.parametrize("plan", ["wrapper", "direct", "kept", "kept-mapped"])
 def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, reference, expected, monkeypatch,
                                                                      overlap, plan, arrivals):
     """Four requests arriving a step apart (their first steps mixed with others' prompts, eager; the rest in decode
     graphs of 1, 2 and 4 rows) or together, their KV pages 4 tokens long so the page tables grow every few steps
     (rebuilt; between, a step of the same rows advances the last one's table and positions); planned directly,
     every plan after the capture's skips the wrapper, and kept, a plan whose schedule would not change is not run
-    (the stand-in checks that its tiles still cover every row)."""
+    (the stand-in checks that its tiles still cover every row). Mapped: each graph loads its inputs from the
+    staging buffer of its turn, takes the pending step's tokens from the last graph's draws, and writes its own to
+    the host, where the overlapped steps read them."""
     # preempted: a cache of 24 blocks, too few for all four, so some are preempted and recomputed, and graphs of
     # four run two or three rows over a cache nearly full (their padding rows' pages on top of every block)
     cache = {"kv_blocks": 24, "max_batched_tokens": 9} if arrivals == "preempted" else {}
     direct = plan != "wrapper"
     engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct,
-                      decode_keep_plans=plan == "kept", block_size=4, **cache)
+                      decode_keep_plans=plan.startswith("kept"), decode_mapped_io=plan == "kept-mapped", block_size=4,
+                      **cache)
     seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
     (run_staggered if arrivals != "together" else run_together)(engine, seqs)
     for name, seq in zip(CASES, seqs):
@@ -173,10 +178,11 @@ def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, 
     if arrivals == "preempted":
         assert engine.scheduler.preemptions > 0
     kept = [a.kept for a in engine.decode.attention.values() if a.kept is not None]
-    assert len(kept) == (len(engine.decode.attention) if plan == "kept" else 0)
+    assert len(kept) == (len(engine.decode.attention) if plan.startswith("kept") else 0)
     skipped = sum(k.kept for k in kept)
-    assert sum(w.direct_plans for w in wrappers) == (engine.decode.graphs.replays - skipped if direct else 0)
-    if plan == "kept":
+    before = len(wrappers) if plan == "kept-mapped" else 0  # each graph's second staging buffer planned direct for capture
+    assert sum(w.direct_plans for w in wrappers) == (engine.decode.graphs.replays - skipped + before if direct else 0)
+    if plan.startswith("kept"):
         assert skipped >= N // 2 and sum(k.plans for k in kept) == sum(w.direct_plans for w in wrappers)
     assert all(w.wrapper_plans == 1 for w in wrappers) if direct else sum(w.wrapper_plans for w in wrappers) > N
     if overlap:

@@ -2,6 +2,8 @@
 routing and experts for decode-sized steps)
 against transformers' own thinker language model holding the very same weight tensors."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -211,6 +213,28 @@ def decode(engine, seqs, **switches) -> list[list[int]]:
     return [s.generated for s in seqs]
 
 
+_MAPPED = {}  # the engine's decode graphs with decode_mapped_io, captured once
+
+
+@contextlib.contextmanager
+def mapped_graphs(engine):
+    """The engine's decode steps on graphs of the same sizes that load their inputs and store their draws themselves
+    (decode_mapped_io), planned directly with plans kept, for the `with` block. -> those graphs (DecodeGraphs)."""
+    from services.thinker.decode import DecodeGraphs
+
+    plain = engine.decode
+    engine.decode_direct_plan = engine.decode_keep_plans = True
+    try:
+        if id(engine) not in _MAPPED:
+            one = plain.attention[1]
+            _MAPPED[id(engine)] = DecodeGraphs(engine, GRAPH_MAX, one.scratch, one.scale, one.heads,
+                                               engine.attention.workspace, mapped_io=True)
+        engine.decode = _MAPPED[id(engine)]
+        yield engine.decode
+    finally:
+        engine.decode, engine.decode_direct_plan, engine.decode_keep_plans = plain, False, False
+
+
 def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     """Decode steps launched before the previous step's tokens are read (their inputs gathered on the device
     from that step's samples) replay the same graphs on the same inputs: greedy and seeded tokens equal the
@@ -259,6 +283,11 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
         for a in engine.decode.attention.values():
             a.direct_plan, a.kept = False, None
     assert sum(k.kept for k in kept) >= 20 and sum(k.plans for k in kept) >= 1
+    # And with graphs that load their inputs from host memory, take the pending step's tokens from the last graph's
+    # draws and store their own in host memory (decode_mapped_io), planned directly with plans kept
+    with mapped_graphs(engine) as graphs:
+        assert run(True) == plain and run(False) == plain
+        assert graphs.graphs.replays >= 80 and sum(a.kept.kept for a in graphs.attention.values()) >= 20
 
 
 def test_overlapped_decode_steps_never_wait_on_a_blocking_copy(pair):
@@ -324,8 +353,10 @@ def test_overlapped_steps_hand_speech_states_from_host_memory(pair):
         return [s.generated for s in seqs], [rows[id(s)] for s in seqs]
 
     (tokens_dev, dev), (tokens_host, host) = run(False), run(True)
-    assert tokens_host == tokens_dev and not dev[0] and not host[0]  # the text-only request sends none
-    for d_rows, h_rows in zip(dev[1:], host[1:]):
+    with mapped_graphs(engine):  # and from graphs that store their draws in host memory (decode_mapped_io)
+        tokens_mapped, mapped = run(True)
+    assert tokens_host == tokens_dev == tokens_mapped and not dev[0] and not host[0] and not mapped[0]
+    for d_rows, h_rows in list(zip(dev[1:], host[1:])) + list(zip(dev[1:], mapped[1:])):
         assert [r[0] for r in h_rows] == [r[0] for r in d_rows] and len(h_rows) >= 20
         for (start, e_d, h_d, _, _), (_, e_h, h_h, on_gpu, ready) in zip(d_rows, h_rows):
             assert torch.equal(e_h, e_d) and torch.equal(h_h, h_d), start

@@ -106,6 +106,29 @@ def test_step_inputs_carry_another_users_bytes_in_the_same_copy_sending_only_wha
     assert inputs.staging.raw[56:].tolist() == [9] * 16
 
 
+def test_step_inputs_a_graph_loads_come_from_the_staging_buffer_of_its_own_turn():
+    """Loaded by the graph (Staging.loaded): send() queues nothing and flips the host's turn; the graph's load()
+    takes the whole staging buffer of the device's turn (all of it: the byte count rounds up to whole words) and its
+    turned() flips that, so replays in order read what was filled for each, while the host fills the other buffer;
+    fence() hands fill() what to wait for (on the CPU, nothing: None)."""
+    inputs = StepInputs(1, 1, 3, torch.device("cpu"), extra=3, loaded=True)  # 24 + 12 + 3 bytes: 48 loaded
+    staging = inputs.staging
+    assert len(staging.raw) == 48 and staging.turn == 0 and staging.turn_device.tolist() == [0]
+    for value in (1, 2):  # two steps filled before the device loads either
+        ints, floats = inputs.fill()
+        ints[0], floats[0] = value, value / 4
+        staging.buffers[staging.turn][40:43] = value + 10
+        inputs.send()
+        staging.fence(None)
+    assert staging.turn == 0 and not inputs.ints.any()  # nothing copied by send()
+    for value in (1, 2):  # the "graph" of each step in turn
+        staging.load()
+        assert inputs.ints.tolist() == [[value] * 3] and inputs.floats.tolist() == [[value / 4] * 3]
+        assert staging.raw[40:43].tolist() == [value + 10] * 3
+        staging.turned()
+    assert staging.turn_device.tolist() == [0]
+
+
 def test_wait_polls_the_event_when_spinning_and_sleeps_in_the_driver_otherwise():
     from services.llm.host import wait
 

@@ -186,16 +186,19 @@ class DecodeAttention(_Writer):
             t = self._last_plan = DecodeTable(slices, np.array(indptr, dtype=np.int32), indices,
                                               np.array(last, dtype=np.int32), np.array(slots, dtype=np.int64), bs)
         host_slots[:] = t.slots
+        n = len(t.indices)  # the page table in the staging buffer too: a graph that loads it (Staging.loaded) reads all
+        words[:b + 1], words[b + 1:2 * b + 1], words[2 * b + 1:2 * b + 1 + n] = t.indptr, t.last, t.indices
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
-        if self._planned_once and self._direct(words, t, kv_heads, head_dim, bs):
-            self.sent = self.offset + 8 * b + 4 * (2 * b + 1 + len(t.indices))
+        if self._planned_once and self._direct(t, kv_heads, head_dim, bs):
+            self.sent = self.offset + 8 * b + 4 * (2 * b + 1 + n)
         else:
             # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
             # copy them with a blocking copy (a second device sync in the step). The page pointers and last
             # pages' lengths, which it reads on the host too, go in pinned memory: copied from pageable memory
             # they would make the host wait for the step still running (an overlapped step's launch would then
             # start only when the device is idle). Its copies fill the page table's device arrays, so the
-            # Staging's copy stops before them.
+            # Staging's copy stops before them (a graph that loads the staging buffer itself writes them again,
+            # the same).
             pages = upload(t.indices, self.cache.k.device, torch.int32)
             if self.kept is not None:
                 self.kept.forget()
@@ -211,17 +214,16 @@ class DecodeAttention(_Writer):
             self.table.send(self.sent)
         return self
 
-    def _direct(self, words: np.ndarray, t: "DecodeTable", kv_heads: int, head_dim: int, bs: int) -> bool:
+    def _direct(self, t: "DecodeTable", kv_heads: int, head_dim: int, bs: int) -> bool:
         """The plan without flashinfer's wrapper (`direct_plan`, flashinfer DIRECT_PLAN_VERSION's fa2 tensor-core
-        path, after one plan through the wrapper has chosen its module): the page table written into `words` (the
-        staging buffer's view of it, sent by the Staging's one copy), and the module's plan called with the
-        arguments the wrapper's plan gives it, its checks, conversions and three copies skipped. False where it
-        does not apply (the wrapper's plan then runs)."""
+        path, after one plan through the wrapper has chosen its module): the page table goes by the Staging (plan()
+        wrote it into the staging buffer), and the module's plan is called with the arguments the wrapper's plan
+        gives it, its checks, conversions and three copies skipped. False where it does not apply (the wrapper's
+        plan then runs)."""
         w = self.wrapper
         if not (self.direct_plan and w._backend == "fa2" and w._jit_module is None and w.is_cuda_graph_enabled):
             return False
-        b, n = self.batch, len(t.indices)
-        words[:b + 1], words[b + 1:2 * b + 1], words[2 * b + 1:2 * b + 1 + n] = t.indptr, t.last, t.indices
+        b = self.batch
         pages = np.diff(t.indptr)
         if self.kept is not None and self.kept.keeps(pages):  # the schedule on the device already is this one's
             return True

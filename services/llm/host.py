@@ -112,36 +112,93 @@ def laps_per_step(before: dict[str, float], after: dict[str, float], steps: int)
     return {k: round(1000 * (v - before.get(k, 0.0)) / max(steps, 1), 4) for k, v in after.items()}
 
 
-class Staging:
-    """A device buffer the host fills by one copy a step (`nbytes` bytes, its address fixed: graphs read it),
-    through pinned staging buffers, two of them in turn: one is filled while the other's copy may still be queued
-    behind the step the device is running, and each is waited for (its copy's event) before it is filled again."""
+_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.uint8: "|u1", torch.float32: "<f4"}
 
-    def __init__(self, nbytes: int, device: torch.device):
+
+class _CudaArray:
+    """Pinned host memory described by the CUDA array interface (torch.as_tensor then makes a CUDA tensor over it)."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host = host  # kept alive as long as the device's view of it
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": _TYPESTR[host.dtype],
+                                         "strides": tuple(host.element_size() * s for s in host.stride()),
+                                         "data": (host.data_ptr(), False), "version": 3}
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pinned host memory `host` as a tensor on `device` that kernels (a graph's too) read and write across the bus:
+    under CUDA's unified addressing a pinned buffer's host address is its device address. On the CPU, `host`."""
+    if torch.device(device).type != "cuda":
+        return host
+    view = torch.as_tensor(_CudaArray(host), device=device)
+    assert view.data_ptr() == host.data_ptr()
+    return view
+
+
+class Staging:
+    """A device buffer the host fills each step (`nbytes` bytes, its address fixed: graphs read it), through pinned
+    staging buffers, two of them in turn: one is filled while the other's may still be read for the step the device
+    is running, and each is waited for before it is filled again.
+
+    Sent by the host (the default), each step's buffer goes by one copy, whose event is that wait. `loaded`: the
+    graph that reads the buffer loads it itself (`load()` first in its body, `turned()` last) from the staging
+    buffer of its turn, read across the bus; send() then queues nothing, and the caller hands over an event that
+    follows the graph (`fence()`) for the wait: two calls to the driver a step fewer, each 5-10 us in a tight loop
+    on the lent H200s and several times that beside a running step (bench/results/callcost-1xh200-*.json)."""
+
+    def __init__(self, nbytes: int, device: torch.device, loaded: bool = False):
+        cuda = torch.device(device).type == "cuda"
+        self.loaded = loaded
+        if loaded:  # whole 8-byte words: the graph loads them as int64
+            nbytes = -(-nbytes // 8) * 8
         self.raw = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        cuda = self.raw.is_cuda
-        self._staging = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        host = torch.zeros(2, -(-nbytes // 8) * 8, dtype=torch.uint8, pin_memory=cuda)  # each buffer 8-aligned
+        self._staging = [host[0, :nbytes], host[1, :nbytes]]
         self.buffers = [s.numpy() for s in self._staging]  # their bytes, for views of a caller's own over them
-        self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self._pending = [False, False]  # a copy from this staging buffer was queued and not yet seen done
+        self._copied = [torch.cuda.Event() if cuda and not loaded else None for _ in range(2)]
+        self._pending = [False, False]  # a copy from (a load of) this staging buffer was queued and not yet seen done
         self.turn = 0  # which staging buffer fill() and send() take next
+        if loaded:
+            # The graph's own `turn`, flipped by each of its replays as send() flips the host's
+            self.turn_device = torch.zeros(1, dtype=torch.long, device=device)
+            self._words = device_view(host.view(torch.int64), self.raw.device)  # [2, nbytes / 8]
+            self._raw_words = self.raw.view(torch.int64).view(1, -1)
 
     def fill(self) -> np.ndarray:
         """The bytes `send()` copies next (a numpy view of the pinned buffer, holding what it last sent), its
-        last copy waited for (done long ago in a decode loop: the step after it was read)."""
+        last copy (load) waited for: done long ago in a decode loop, where the step after it was read."""
         if self._pending[self.turn]:
-            self._copied[self.turn].synchronize()
+            if self._copied[self.turn] is not None:
+                self._copied[self.turn].synchronize()
             self._pending[self.turn] = False
         return self.buffers[self.turn]
 
     def send(self, nbytes: int | None = None) -> None:
-        """Queues the copy of the first `nbytes` (all) of the buffer last filled, without waiting."""
+        """Queues the copy of the first `nbytes` (all) of the buffer last filled, without waiting. Loaded by the
+        graph: nothing is queued (the graph loads the whole buffer), and fence() is to follow."""
+        if self.loaded:
+            self.turn ^= 1
+            return
         n = len(self.raw) if nbytes is None else nbytes
         self.raw[:n].copy_(self._staging[self.turn][:n], non_blocking=True)
         if self.raw.is_cuda:
             self._copied[self.turn].record(torch.cuda.current_stream(self.raw.device))
             self._pending[self.turn] = True
         self.turn ^= 1
+
+    def fence(self, event) -> None:
+        """Loaded by the graph: `event` (a CUDA event; None on the CPU, where the graph has run) follows the graph
+        that loads the buffer last sent. fill() waits for it before that buffer is filled again."""
+        self._copied[self.turn ^ 1] = event
+        self._pending[self.turn ^ 1] = event is not None
+
+    def load(self) -> None:
+        """In the graph, first (loaded): the device buffer from the staging buffer of the graph's turn."""
+        torch.index_select(self._words, 0, self.turn_device, out=self._raw_words)
+
+    def turned(self) -> None:
+        """In the graph, last (loaded): its next replay loads the other staging buffer."""
+        self.turn_device.bitwise_xor_(1)
 
 
 class StepInputs:
@@ -152,10 +209,10 @@ class StepInputs:
     and, into a view narrower than its rows, a device kernel too. `fill()` hands out numpy views of the staging
     buffer to send next, still holding what was last sent from it."""
 
-    def __init__(self, ints: int, floats: int, width: int, device: torch.device, extra: int = 0):
+    def __init__(self, ints: int, floats: int, width: int, device: torch.device, extra: int = 0, loaded: bool = False):
         self._split = 8 * ints * width
         self.extra_offset = -(-(self._split + 4 * floats * width) // 8) * 8  # 8-aligned, for int64 views
-        self.staging = Staging(self.extra_offset + extra, device)
+        self.staging = Staging(self.extra_offset + extra, device, loaded)
         raw = self.staging.raw
         self.ints = raw[:self._split].view(torch.int64).view(ints, width)
         self.floats = raw[self._split:self._split + 4 * floats * width].view(torch.float32).view(floats, width)

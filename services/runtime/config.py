@@ -212,8 +212,8 @@ class LMStageConfig(EngineStageConfig):
     decode_direct_plan: bool = False
     # A direct plan whose schedule would be the last one's is not run (services.llm.decode_plan.KeptPlan):
     # flashinfer's scheduler reads only each row's page count. 10 plans in 259 steps at 32 requests took 50-190 us a
-    # step off the host (bench/results/README.md, "Session 22"). Off until its GPU test (tests/test_gpu_attention.py:
-    # flashinfer's own plan against each kept one, byte for byte) has run.
+    # step off the host (bench/results/README.md, "Session 22"); on a GPU flashinfer's own plan wrote every kept
+    # schedule again, entry for entry (tests/test_gpu_attention.py, session 23). Off until measured in the engines.
     decode_keep_plans: bool = False
     # The engine's waits on the device poll it rather than sleep in the driver (services.llm.host.wait), its thread
     # keeping a core busy and the interpreter lock between polls. Off: polled or asleep, neither engine's step at 32
@@ -256,11 +256,15 @@ class ThinkerConfig(LMStageConfig):
     # On for the thinker (LMStageConfig): its host step at 32 requests took 1.01 ms against 1.63 through flashinfer's
     # wrapper on one machine, 1.11 and 1.29 against 2.26 on another (bench/results/README.md, "Session 20").
     decode_direct_plan: bool = True
+    # Decode graphs load their inputs from pinned host memory and write their draws back to it themselves, and take
+    # the pending step's tokens from the last graph's draws on the device (services/thinker/decode.py): a steady
+    # step is the graph's launch and an event, with no copies, events or kernels of its own. Off until measured.
+    decode_mapped_io: bool = False
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
-                "host_states": self.host_states}
+                "host_states": self.host_states, "decode_mapped_io": self.decode_mapped_io}
 
 
 @dataclass

@@ -4,6 +4,11 @@ A graph reads its step's host values from one device buffer filled by one copy a
 positions and draw settings, then the decode attention's slots and page table (DecodeAttention, planned into the
 same buffer). A replay of the last one's rows one token on (the steady state of a decode loop) advances what it
 sent last instead of rebuilding it from each request.
+
+`mapped_io`: each graph loads that buffer itself from pinned host memory, takes the rows whose input is the last
+replay's token from that replay's draws on the device (`carry`), and writes its own draws to pinned host memory, all
+inside the graph: a steady step is then the graph's launch and an event, where it was also a copy in, an event for
+it, a kernel for the carried tokens and a copy out.
 """
 
 import numpy as np
@@ -12,7 +17,7 @@ import torch
 from services.llm import sampling
 from services.llm.attention import SeqSlice
 from services.llm.context import step_context
-from services.llm.host import Laps, StepInputs
+from services.llm.host import Laps, StepInputs, device_view
 from services.llm.sampling import CANDIDATES
 from services.llm.scheduler import Work
 
@@ -22,52 +27,79 @@ class DecodeGraphs:
     embeddings, the talker's states, logits and the tokens drawn out. `inputs` and `attention` by size are what
     each graph reads; `body` is what each one records (bench.streams runs it on streams of its own)."""
 
-    def __init__(self, engine, max_batch: int, scratch: int, scale: float, heads: int, workspace):
+    def __init__(self, engine, max_batch: int, scratch: int, scale: float, heads: int, workspace, mapped_io: bool = False):
         from services.llm.decode_plan import Replays
         from services.llm.flashinfer_attention import DecodeAttention, split_kv
         from services.llm.graphs import CapturedGraphs, ladder
 
         sizes = ladder(max_batch)
-        # Each size's inputs, sent by one copy a step: ids, positions, top-k, seed, draw counter; temperature, top-p;
-        # then its attention's slots and page table (their buffers are the graph's), planned all padding for capture.
+        self.mapped_io, self.device = mapped_io, engine.device
+        cuda = self.device.type == "cuda"
+        # Each size's inputs, sent by one copy a step (or loaded by its graph: mapped_io): ids, positions, top-k, seed,
+        # draw counter, the row of the last replay whose draw is the row's input (-1: the id sent); temperature,
+        # top-p; then its attention's slots and page table (their buffers are the graph's), planned all padding for
+        # capture (into both staging buffers where the graph loads them: each is its turn's).
         self.inputs, self.attention = {}, {}
         for b in sizes:
-            inputs = self.inputs[b] = StepInputs(5, 2, b, engine.device, DecodeAttention.nbytes(b, engine.cache))
+            inputs = self.inputs[b] = StepInputs(6, 2, b, self.device, DecodeAttention.nbytes(b, engine.cache), mapped_io)
             self.attention[b] = DecodeAttention(
                 engine.cache, scale, heads, b, scratch, workspace, engine.decode_tensor_cores,
                 split_kv(b, engine.decode_split_kv_max_batch), engine.decode_direct_plan, inputs.staging,
                 inputs.extra_offset, engine.decode_keep_plans)
-            inputs.fill()
-            inputs.send(self.attention[b].plan([]).sent)
+            for _ in range(2 if mapped_io else 1):
+                ints, _ = inputs.fill()
+                ints[5] = -1
+                inputs.send(self.attention[b].plan([]).sent)
+        # mapped_io: the last replay's draws (any size's), and each size's draws in pinned host memory, a row a turn
+        self.carry = torch.zeros(max(sizes), dtype=torch.long, device=self.device)
+        self.drawn_host = {b: torch.zeros(2, b, dtype=torch.long, pin_memory=cuda) for b in sizes} if mapped_io else {}
+        drawn_out = {b: device_view(h, self.device) for b, h in self.drawn_host.items()}
+        self.done = {b: [torch.cuda.Event() if cuda else None for _ in range(2)] for b in sizes}
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
         model, moe, accept_layer = engine.model, engine.moe, engine.accept_layer
 
         def body(b: int):
-            (ids, pos, top_k, seeds, counters), (temps, top_p) = self.inputs[b].ints, self.inputs[b].floats
+            inputs = self.inputs[b]
+            if mapped_io:
+                inputs.staging.load()
+            (ids, pos, top_k, seeds, counters, src), (temps, top_p) = inputs.ints, inputs.floats
+            if mapped_io:
+                ids = torch.where(src >= 0, self.carry[src.clamp(min=0)], ids)
             with step_context(self.attention[b], moe):
                 embeds = model.model.embed_tokens(ids)
                 hidden, captured = model(embeds, pos.float().expand(3, -1), capture_layer=accept_layer)
                 logits = model.lm_head(hidden)
-            return embeds, captured, logits, draw(logits, temps, top_k, top_p, seeds, counters, CANDIDATES)
+            drawn = draw(logits, temps, top_k, top_p, seeds, counters, CANDIDATES)
+            if mapped_io:
+                self.carry[:b].copy_(drawn)
+                drawn_out[b].index_copy_(0, inputs.staging.turn_device, drawn[None])
+                inputs.staging.turned()
+            return embeds, captured, logits, drawn
 
         self.body = body
-        self.device = engine.device
         # Whether a replay is the last one's rows a token on (forget(): a step ran outside the graphs); each size's
         # host rows of positions and settings
         self.replays, self._rows = Replays(), {}
-        self.graphs = CapturedGraphs(sizes, body, engine.device)
+        # mapped_io, after each replay: its rows' draws in host memory (read after `last_done`), and whether `carry`
+        # holds them (the next replay's rows may take their inputs from there)
+        self.last_drawn_host, self.last_done, self.carried = None, None, False
+        self.graphs = CapturedGraphs(sizes, body, self.device)
 
     @property
     def max_batch(self) -> int:
         return self.graphs.max_batch
 
     def forget(self) -> None:
-        """A step ran outside the graphs: the next replay is not the last one's rows a token on."""
+        """A step ran outside the graphs: the next replay is not the last one's rows a token on, nor are the last
+        replay's draws (`carry`) the last step's."""
         self.replays.forget()
+        self.carried = False
 
-    def replay(self, work: list[Work], ids, counters: list[int], laps: Laps) -> tuple:
+    def replay(self, work: list[Work], ids, counters: list[int], laps: Laps, src: list[int] | None = None) -> tuple:
         """The graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters), replayed.
-        Returns (input embeddings, accept-layer states, logits, tokens drawn), valid until the next replay."""
+        Returns (input embeddings, accept-layer states, logits, tokens drawn), valid until the next replay.
+        mapped_io: `ids` are host values, and `src` (if any) each row's row in the last replay whose draw is its
+        input instead (-1: its id); those draws must be in `carry` (`carried`, or the caller copied them there)."""
         n = len(work)
         b = self.graphs.size_for(n)
         inputs = self.inputs[b]
@@ -75,8 +107,11 @@ class DecodeGraphs:
         # Padding rows keep what the buffer last held for them (settings and ids of earlier rows, or zeros): they
         # only touch the scratch block, and their outputs are dropped.
         device_ids = isinstance(ids, torch.Tensor)
+        if device_ids and self.mapped_io:
+            raise ValueError("a graph that loads its inputs takes its ids from the host or from `carry` (src)")
         if not device_ids:
             ints[0, :n] = ids
+        ints[5, :n] = -1 if src is None else src
         # The last replay's rows one token on (the same sequences, nothing else run between): positions advanced
         # and settings kept, the page table advanced, not rebuilt (DecodeAttention.plan).
         steady = self.replays.steady(b, work)
@@ -98,5 +133,12 @@ class DecodeGraphs:
             inputs.ints[0, :n] = ids
         laps.lap("plan")
         out = self.graphs.replay(b)
+        if self.mapped_io:
+            turn = inputs.staging.turn ^ 1  # the staging buffer this replay loads, and its row of drawn_host
+            done = self.done[b][turn]
+            if done is not None:
+                done.record(torch.cuda.current_stream(self.device))
+            inputs.staging.fence(done)
+            self.last_drawn_host, self.last_done, self.carried = self.drawn_host[b][turn, :n], done, True
         laps.lap("launch")
         return out

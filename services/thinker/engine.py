@@ -38,6 +38,7 @@ class _Pending:
     row_of: dict[int, int]  # id(SeqState) -> row
     send: list[bool]  # rows whose states go out with their token
     states: tuple | None  # (input embeddings, accept-layer states) of the step's rows, when any row sends them
+    carried: bool = False  # its tokens are the decode graphs' `carry` (mapped_io)
 
 
 def _accept(seq: ThinkerSeq, step: ThinkerStep, token: int) -> ThinkerStep:
@@ -69,7 +70,7 @@ class NativeThinker:
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
                  decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False, decode_keep_plans: bool = False,
-                 spin_wait: bool = False):
+                 decode_mapped_io: bool = False, spin_wait: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.spin_wait = spin_wait  # waits on the device's steps poll, not sleep (services.llm.host.wait)
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
@@ -84,6 +85,7 @@ class NativeThinker:
         self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
         self.decode_direct_plan = decode_direct_plan  # decode graphs' attention planned past flashinfer's wrapper
         self.decode_keep_plans = decode_keep_plans  # and not replanned where the schedule would not change (KeptPlan)
+        self.decode_mapped_io = decode_mapped_io  # decode graphs load their inputs and store their draws themselves
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -118,7 +120,8 @@ class NativeThinker:
         self.states: dict[int, SeqState] = {}
         self.decode: DecodeGraphs | None = None  # decode steps as CUDA graphs (services/thinker/decode.py)
         if cuda_graph_max_batch and self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
-            self.decode = DecodeGraphs(self, min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace)
+            self.decode = DecodeGraphs(self, min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace,
+                                       decode_mapped_io)
         # Other steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
         self.pieces = pieces.build(self.model.model, self.cache, step_graphs, max_batched_tokens, moe, blocks * block_size,
                                    self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))
@@ -258,20 +261,26 @@ class NativeThinker:
             counters.append(c)
             row_of[id(w.seq)] = i
             drawable = drawable and tensor_drawable(seq.params, c, CANDIDATES)
-        if in_order:  # every row's input is the pending step's token, in its order
+        graph = self.decode is not None and n <= self.decode.max_batch  # its rows all decode their last token
+        mapped = graph and self.decode.mapped_io
+        if mapped:  # the pending step's tokens taken from `carry` in the graph (copied there unless its draws)
+            if prev is not None and not prev.carried and max(src) >= 0:
+                self.decode.carry[:len(prev.tokens)].copy_(prev.tokens)
+            ids = 0 if in_order else [w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)]
+        elif in_order:  # every row's input is the pending step's token, in its order
             ids = prev.tokens[:n]
         else:
             ids = upload([w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)], self.device, torch.long)
             if any(r >= 0 for r in src):
                 at = upload(src, self.device, torch.long)
                 ids = torch.where(at >= 0, prev.tokens[at.clamp_min(0)], ids)
-        host, copied = self._launch_buffers(n) if ids.is_cuda else (None, None)
         # Speech requests get the row's states (input embedding, accept layer) with its token, once per position.
-        states, drawn, sending = None, None, any(send)
-        # Its rows all decode their last token (_overlappable): a graph's if one is that large
-        if self.decode is not None and n <= self.decode.max_batch:
-            embeds, captured, logits, drawn = self.decode.replay(work, ids, counters, self.laps)
+        states, drawn, sending, host, event = None, None, any(send), None, None
+        if graph:
+            embeds, captured, logits, drawn = self.decode.replay(work, ids, counters, self.laps, src if mapped else None)
             logits, drawn = logits[:n], drawn[:n] if drawable else None
+            if mapped and drawable:  # the graph wrote its draws to the host: read after its event
+                host, event = self.decode.last_drawn_host, self.decode.last_done
             if sending:  # the next replay overwrites them: copied out (to the host below, or here)
                 states = embeds[:n], captured[:n]
                 if not (self.host_states and embeds.is_cuda):
@@ -289,15 +298,18 @@ class NativeThinker:
                 states = embeds, captured
         self.scheduler.advance(work)
         tokens = drawn if drawn is not None else sample_batch(logits, [w.seq.owner.params for w in work], counters=counters)
-        event = None
-        if tokens.is_cuda:  # to the host without waiting: read when the next step has been launched
-            host.copy_(tokens, non_blocking=True)
+        carried = host is not None  # `carry` holds this step's tokens: the graph's draws
+        if not tokens.is_cuda:
+            host = tokens
+        elif host is None or states is not None:  # to the host without waiting: read when the next step has been launched
+            if host is None:
+                host, event = self._launch_buffers(n)
+                host.copy_(tokens, non_blocking=True)
             if states is not None and self.host_states:  # with them, the speech rows' states (host_states)
                 states = tuple(_pinned_copy(t) for t in states)
-            event = copied if states is None else torch.cuda.Event()  # one handed out with states (ready) is theirs
+            if states is not None:  # its own event, after the states' copies: one handed out with states (ready) is theirs
+                event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        else:
-            host = tokens
         placeholders = []
         for w, sent, c in zip(work, send, counters):
             if sent:
@@ -308,7 +320,7 @@ class NativeThinker:
                 w.seq.tokens.append(PLACEHOLDER)
         self.overlapped += prev is not None
         self.laps.lap("queue")
-        return _Pending(work, tokens, host, event, placeholders, row_of, send, states)
+        return _Pending(work, tokens, host, event, placeholders, row_of, send, states, carried)
 
     def _launch_buffers(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """A launched step's pinned buffer for its `n` tokens and the event of their copy: two sets used in turn,
