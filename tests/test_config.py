@@ -153,3 +153,13 @@ def test_the_two_thinker_config_differs_from_the_benchmark_one_only_where_it_mea
     assert len(two["thinker"].pop("replicas")) == 2 and len(one["thinker"].pop("replicas")) == 1
     assert two["talker"].pop("kv_blocks") == 16384 and one["talker"].pop("kv_blocks") == 0
     assert one == two
+
+
+def test_kept_plans_and_mapped_io_are_the_thinkers_defaults_and_each_turns_off(tmp_path):
+    cfg = load_config(write(tmp_path, base()))
+    assert cfg.thinker.native_args["decode_keep_plans"] is True and cfg.thinker.native_args["decode_mapped_io"] is True
+    assert cfg.talker.native_args["decode_keep_plans"] is False and "decode_mapped_io" not in cfg.talker.native_args
+    c = base()
+    c["thinker"] = {**c["thinker"], "decode_keep_plans": False, "decode_mapped_io": False}
+    args = load_config(write(tmp_path, c)).thinker.native_args
+    assert args["decode_keep_plans"] is False and args["decode_mapped_io"] is False

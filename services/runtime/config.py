@@ -213,7 +213,8 @@ class LMStageConfig(EngineStageConfig):
     # A direct plan whose schedule would be the last one's is not run (services.llm.decode_plan.KeptPlan):
     # flashinfer's scheduler reads only each row's page count. 10 plans in 259 steps at 32 requests took 50-190 us a
     # step off the host (bench/results/README.md, "Session 22"); on a GPU flashinfer's own plan wrote every kept
-    # schedule again, entry for entry (tests/test_gpu_attention.py, session 23). Off until measured in the engines.
+    # schedule again, entry for entry (tests/test_gpu_attention.py, session 23). On for the thinker (ThinkerConfig);
+    # the talker's is off until measured.
     decode_keep_plans: bool = False
     # The engine's waits on the device poll it rather than sleep in the driver (services.llm.host.wait), its thread
     # keeping a core busy and the interpreter lock between polls. Off: polled or asleep, neither engine's step at 32
@@ -256,10 +257,12 @@ class ThinkerConfig(LMStageConfig):
     # On for the thinker (LMStageConfig): its host step at 32 requests took 1.01 ms against 1.63 through flashinfer's
     # wrapper on one machine, 1.11 and 1.29 against 2.26 on another (bench/results/README.md, "Session 20").
     decode_direct_plan: bool = True
+    decode_keep_plans: bool = True
     # Decode graphs load their inputs from pinned host memory and write their draws back to it themselves, and take
     # the pending step's tokens from the last graph's draws on the device (services/thinker/decode.py): a steady
-    # step is the graph's launch and an event, with no copies, events or kernels of its own. Off until measured.
-    decode_mapped_io: bool = False
+    # step is the graph's launch and an event, with no copies, events or kernels of its own. The host's step at 32
+    # requests in bf16: 0.55 and 0.61 ms against 1.49 with its copies (bench/results/README.md, "Session 23").
+    decode_mapped_io: bool = True
 
     @property
     def native_args(self) -> dict:
