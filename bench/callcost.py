@@ -24,6 +24,8 @@ import time
 import numpy as np
 import torch
 
+from bench.results import git_state, machine, write
+
 
 def per_call_us(f, n: int = 2000) -> float:
     t = time.perf_counter_ns()
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--device_ms", type=float, default=15.0)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a GPU")
     out: dict = {}
     for name in ("current_clocksource", "available_clocksource"):
         try:
@@ -174,13 +178,10 @@ def main() -> None:
         results[setting] = {"cpu_ms_p50": statistics.median(cpu), "cpu_ms_p90": sorted(cpu)[int(0.9 * len(cpu))],
                             "cuda_ms_p50": statistics.median(cuda), "cuda_ms_p90": sorted(cuda)[int(0.9 * len(cuda))]}
         print(setting, {k: round(v, 4) for k, v in results[setting].items()}, flush=True)
-    out["work"] = results
-    out["steps"], out["device_ms"] = args.steps, args.device_ms
-    text = json.dumps(out, indent=1)
-    print(text)
+    out.update(work=results, steps=args.steps, device_ms=args.device_ms, machine=machine(), **git_state())
+    print(json.dumps(out, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write(out, args.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from bench.results import write
+
 SPIN_CYCLES = 600_000_000  # ~0.3 s at the H200's ~2 GHz
 NBYTES = 1 << 20
 
@@ -95,11 +97,9 @@ def main() -> None:
         raise SystemExit("needs a GPU")
     result = {"devices": [torch.cuda.get_device_name(d) for d in devices], "torch": torch.__version__,
               "spin_cycles": SPIN_CYCLES, "nbytes": NBYTES, "variants": variants(devices)}
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write(result, args.out)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ def bodies(stage: str, cfg) -> list:
     """A stage's engine built from `cfg` and its step bodies to capture, (name, body, device) each, the step's inputs
     filled with random values."""
     make_engine = importlib.import_module(f"services.{stage}.server").make_engine
+    if stage == "thinker":  # its inputs filled on the device below: graphs that load them from the host would not see them
+        cfg.thinker.decode_mapped_io = False
     engine = make_engine(cfg, getattr(cfg, stage).replicas[0].device)
     gen = torch.Generator(device=engine.device).manual_seed(0)
     if stage == "thinker":

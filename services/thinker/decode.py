@@ -25,7 +25,8 @@ from services.llm.scheduler import Work
 class DecodeGraphs:
     """`graphs` (CapturedGraphs): for each batch size up to `max_batch`, token ids and positions in; layer-0
     embeddings, the talker's states, logits and the tokens drawn out. `inputs` and `attention` by size are what
-    each graph reads; `body` is what each one records (bench.streams runs it on streams of its own)."""
+    each graph reads; `body` is what each one records (bench.streams runs it on streams of its own, mapped_io off:
+    a body that loads its inputs also flips the turn its replays take)."""
 
     def __init__(self, engine, max_batch: int, scratch: int, scale: float, heads: int, workspace, mapped_io: bool = False):
         from services.llm.decode_plan import Replays
