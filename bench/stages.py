@@ -27,6 +27,7 @@ import yaml
 from bench import results
 from bench.code2wav import code2wav_cells
 from bench.hostprof import host_state, host_use
+from bench.records import percentile
 from bench.talker import talker_cells
 from bench.routing import chat_prompts, experts_touched
 from bench.workloads import clip_wav, image_png
@@ -166,6 +167,10 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                        "device_ms_per_step": dev_ms, "host_ms_per_step": host,
                        # of the host's time, the median step's in launching its graph (native engine)
                        "launch_ms_per_step": 1000 * statistics.median(launches) if None not in launches else None,
+                       # the slowest tenth's bound of each, where the engine keeps them: a median hides how often a
+                       # step is slow
+                       **({"host_ms_p90": 1000 * percentile(hosts, 90)} if None not in hosts else {}),
+                       **({"launch_ms_p90": 1000 * percentile(launches, 90)} if None not in launches else {}),
                        # what of the step the device spends waiting on the host (host work not overlapped with it)
                        "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries,
                        # the host's ms a step by phase (the native engine's laps; "wait": blocked on the device)

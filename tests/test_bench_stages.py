@@ -66,7 +66,7 @@ def test_talker_modes_share_one_engine(bench_dir):
 
 def test_native_thinker_cells_split_the_hosts_step_by_phase(bench_dir):
     """The native thinker's decode cells give the host's ms a step by phase (its laps), each phase its overlapped
-    steps pass through present, none negative, all of them within the step; and its CPU ms a step."""
+    steps pass through present, none negative, all of them within the step; its CPU ms a step; and the host's p90."""
     out = bench_dir / "thinker-laps.json"
     stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "thinker", "--batches", "2",
                  "--prompt-lens", "8", "--decode-steps", "4", "--set", "thinker.engine=native", "--set", "thinker.overlap=true"])
@@ -78,6 +78,8 @@ def test_native_thinker_cells_split_the_hosts_step_by_phase(bench_dir):
     # from it where Linux tells: involuntary switches, the hypervisor's steal
     assert 0 < decode["host_cpu_ms_per_step"] <= decode["step_ms"] * 1.01, decode
     assert decode.get("involuntary_switches_per_step", 0) >= 0 and 0 <= decode.get("steal_pct", 0) <= 100, decode
+    # and the slowest tenth's bound beside the median
+    assert decode["host_ms_p90"] >= decode["host_ms_per_step"] > 0, decode
 
 
 def test_moe_tiles_replace_the_decode_kernels_shape_between_17_and_64_tokens(monkeypatch):
