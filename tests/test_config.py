@@ -159,6 +159,7 @@ def test_kept_plans_and_mapped_io_are_the_thinkers_defaults_and_each_turns_off(t
     cfg = load_config(write(tmp_path, base()))
     assert cfg.thinker.native_args["decode_keep_plans"] is True and cfg.thinker.native_args["decode_mapped_io"] is True
     assert cfg.talker.native_args["decode_keep_plans"] is False and "decode_mapped_io" not in cfg.talker.native_args
+    assert cfg.thinker.native_args["decode_hashed_noise"] is False  # off until measured
     c = base()
     c["thinker"] = {**c["thinker"], "decode_keep_plans": False, "decode_mapped_io": False}
     args = load_config(write(tmp_path, c)).thinker.native_args

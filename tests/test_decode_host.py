@@ -361,3 +361,28 @@ def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
     t = build(short)
     before = (t.indices.tolist(), t.last.tolist())
     assert not t.advance([SeqSlice([7], 4, 1)], bs) and (t.indices.tolist(), t.last.tolist()) == before
+
+
+def test_unseeded_requests_draw_hashed_noise_from_a_seed_of_their_own(tiny_model, reference, monkeypatch):
+    """decode_hashed_noise: a sampled request without a seed gets a random one when it arrives, so every draw it
+    makes, in the decode graphs (mapped, overlapped) and out, comes from hashed noise and none from torch's
+    generator; its tokens are then those of the same request given that seed, with the setting off."""
+    from dataclasses import replace
+
+    import random
+
+    def run(hashed: bool, seeds: list[int]) -> tuple[list[list[int]], list[int]]:
+        engine = captured(tiny_model, monkeypatch, 4, overlap=True, decode_direct_plan=True, decode_keep_plans=True,
+                          decode_mapped_io=True, decode_hashed_noise=hashed, block_size=4)
+        seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
+        for s, seed in zip(seqs, seeds):
+            s.params = replace(s.params, temperature=0.8, top_k=20, top_p=0.9, seed=seed)
+        run_staggered(engine, seqs)
+        return [s.generated for s in seqs], [s.params.seed for s in seqs]
+
+    random.seed(7)
+    with monkeypatch.context() as m:  # no draw from torch's generator anywhere
+        m.setattr(torch.Tensor, "exponential_", lambda *a, **k: pytest.fail("drew from torch's generator"))
+        hashed, given = run(True, [0, 0, 5, 0])
+    assert given[2] == 5 and all(given) and len(set(given)) == 4
+    assert run(False, given) == (hashed, given)

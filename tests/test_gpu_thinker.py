@@ -217,22 +217,25 @@ _MAPPED = {}  # the engine's decode graphs with decode_mapped_io, captured once
 
 
 @contextlib.contextmanager
-def mapped_graphs(engine):
+def mapped_graphs(engine, hashed_noise: bool = False):
     """The engine's decode steps on graphs of the same sizes that load their inputs and store their draws themselves
-    (decode_mapped_io), planned directly with plans kept, for the `with` block. -> those graphs (DecodeGraphs)."""
+    (decode_mapped_io), planned directly with plans kept, for the `with` block; `hashed_noise`: drawing from hashed
+    noise only, unseeded requests seeded when added (decode_hashed_noise). -> those graphs (DecodeGraphs)."""
     from services.thinker.decode import DecodeGraphs
 
     plain = engine.decode
     engine.decode_direct_plan = engine.decode_keep_plans = True
+    engine.decode_hashed_noise = hashed_noise
     try:
-        if id(engine) not in _MAPPED:
+        if (id(engine), hashed_noise) not in _MAPPED:
             one = plain.attention[1]
-            _MAPPED[id(engine)] = DecodeGraphs(engine, GRAPH_MAX, one.scratch, one.scale, one.heads,
-                                               engine.attention.workspace, mapped_io=True)
-        engine.decode = _MAPPED[id(engine)]
+            _MAPPED[id(engine), hashed_noise] = DecodeGraphs(engine, GRAPH_MAX, one.scratch, one.scale, one.heads,
+                                                             engine.attention.workspace, mapped_io=True)
+        engine.decode = _MAPPED[id(engine), hashed_noise]
         yield engine.decode
     finally:
         engine.decode, engine.decode_direct_plan, engine.decode_keep_plans = plain, False, False
+        engine.decode_hashed_noise = False
 
 
 def test_overlapped_graph_decode_gives_the_same_tokens(pair):
@@ -288,6 +291,9 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     with mapped_graphs(engine) as graphs:
         assert run(True) == plain and run(False) == plain
         assert graphs.graphs.replays >= 80 and sum(a.kept.kept for a in graphs.attention.values()) >= 20
+    # And with graphs that draw from hashed noise only (decode_hashed_noise; every sampled row here is seeded)
+    with mapped_graphs(engine, hashed_noise=True):
+        assert run(True) == plain
 
 
 def test_overlapped_decode_steps_never_wait_on_a_blocking_copy(pair):

@@ -103,14 +103,18 @@ def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) 
 
 
 def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   seeds: torch.Tensor, counters: torch.Tensor, k: int) -> torch.Tensor:
+                   seeds: torch.Tensor, counters: torch.Tensor, k: int, generator: bool = True) -> torch.Tensor:
     """sample_batch's draw with every per-row setting a tensor [B] and no decision on the host, so a graph
     can hold it: greedy where temps == 0, else a draw from the row's best top_k (at most `k`) within top_p,
     from noise hashed from (seed, counter) where seed != 0 and from torch's generator elsewhere. A row gets
-    the token sample_batch gives it for the same settings."""
+    the token sample_batch gives it for the same settings. `generator` off: every row's noise hashed (the caller
+    gives each row a seed), so a graph holding the draw holds no generator state: torch fills that state before
+    each replay of a graph that does, two kernels a replay."""
     logits = logits.float()
     probs, order = _candidates(logits, torch.where(temps > 0, temps, 1.0), top_k, top_p, k)
-    noise = torch.where(seeds[:, None] != 0, hashed_exponential(seeds, counters, k), torch.empty_like(probs).exponential_())
+    noise = hashed_exponential(seeds, counters, k)
+    if generator:
+        noise = torch.where(seeds[:, None] != 0, noise, torch.empty_like(probs).exponential_())
     return torch.where(temps > 0, _race(probs, order, noise), argmax_rows(logits))
 
 

@@ -263,11 +263,16 @@ class ThinkerConfig(LMStageConfig):
     # step is the graph's launch and an event, with no copies, events or kernels of its own. The host's step at 32
     # requests in bf16: 0.55 and 0.61 ms against 1.49 with its copies (bench/results/README.md, "Session 23").
     decode_mapped_io: bool = True
+    # A request that gives no seed gets a random one of its own when it arrives, so every draw it makes comes from
+    # hashed noise, and the decode graphs hold no generator: torch queues two kernels before each replay of a graph
+    # that draws from its generator (its seed and offset filled in). Off until measured on a GPU.
+    decode_hashed_noise: bool = False
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
-                "host_states": self.host_states, "decode_mapped_io": self.decode_mapped_io}
+                "host_states": self.host_states, "decode_mapped_io": self.decode_mapped_io,
+                "decode_hashed_noise": self.decode_hashed_noise}
 
 
 @dataclass

@@ -58,6 +58,8 @@ class DecodeGraphs:
         self.done = {b: [torch.cuda.Event() if cuda else None for _ in range(2)] for b in sizes}
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
         model, moe, accept_layer = engine.model, engine.moe, engine.accept_layer
+        # Every row's noise hashed (the engine seeds unseeded requests itself): no generator state in the graphs
+        hashed_noise = engine.decode_hashed_noise
 
         def body(b: int):
             inputs = self.inputs[b]
@@ -70,7 +72,7 @@ class DecodeGraphs:
                 embeds = model.model.embed_tokens(ids)
                 hidden, captured = model(embeds, pos.float().expand(3, -1), capture_layer=accept_layer)
                 logits = model.lm_head(hidden)
-            drawn = draw(logits, temps, top_k, top_p, seeds, counters, CANDIDATES)
+            drawn = draw(logits, temps, top_k, top_p, seeds, counters, CANDIDATES, not hashed_noise)
             if mapped_io:
                 self.carry[:b].copy_(drawn)
                 drawn_out[b].index_copy_(0, inputs.staging.turn_device, drawn[None])

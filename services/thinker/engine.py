@@ -1,8 +1,9 @@
 """The native thinker engine: our model on a paged KV cache, continuous batching with chunked prefill,
 one forward per step over every scheduled sequence. Same requests and outputs as the reference engine."""
 
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,7 +71,7 @@ class NativeThinker:
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
                  decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False, decode_keep_plans: bool = False,
-                 decode_mapped_io: bool = False, spin_wait: bool = False):
+                 decode_mapped_io: bool = False, decode_hashed_noise: bool = False, spin_wait: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.spin_wait = spin_wait  # waits on the device's steps poll, not sleep (services.llm.host.wait)
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
@@ -86,6 +87,7 @@ class NativeThinker:
         self.decode_direct_plan = decode_direct_plan  # decode graphs' attention planned past flashinfer's wrapper
         self.decode_keep_plans = decode_keep_plans  # and not replanned where the schedule would not change (KeptPlan)
         self.decode_mapped_io = decode_mapped_io  # decode graphs load their inputs and store their draws themselves
+        self.decode_hashed_noise = decode_hashed_noise  # and draw for unseeded requests from hashed noise, no generator
         if compile:
             fuse()
         config = load_config(model_dir)
@@ -158,6 +160,9 @@ class NativeThinker:
         need = len(seq.prompt_ids) + seq.params.max_tokens
         if need > self.capacity:
             raise ResourceExhausted(f"prompt + max_tokens = {need} tokens is more than the KV cache holds ({self.capacity})")
+        if self.decode_hashed_noise and seq.params.temperature > 0 and not seq.params.seed:
+            # A seed of its own, random: every draw of it from hashed noise, in the graphs and out
+            seq.params = replace(seq.params, seed=random.getrandbits(63) | 1)
         state = ThinkerState(tokens=seq.prompt_ids.tolist(), owner=seq)
         self.states[id(seq)] = state
         self.scheduler.add(state)
