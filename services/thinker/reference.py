@@ -93,6 +93,15 @@ def stop_reason(seq: ThinkerSeq) -> str:
     return "length" if len(seq.generated) >= p.max_tokens else ""
 
 
+def accept(seq: ThinkerSeq, step: ThinkerStep, token: int) -> ThinkerStep:
+    """`token` is the request's next: its output, and whether it ends the request."""
+    seq.generated.append(token)
+    step.token_ids = [token]
+    seq.stop_reason = step.stop_reason = stop_reason(seq)
+    seq.done = bool(seq.stop_reason)
+    return step
+
+
 class ReferenceThinker:
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto", seed: int = 0):
         self.device, self.dtype = torch.device(device), dtype
@@ -165,15 +174,13 @@ class ReferenceThinker:
         if p.repetition_penalty != 1.0:
             history = torch.cat([seq.prompt_ids, torch.tensor(seq.generated, dtype=torch.long)]).to(self.device)
         token = sample_next(logits, p, len(seq.generated), history, None, seq.generator)
-        seq.generated.append(token)
-        result = ThinkerStep(token_ids=[token], state_start=start)
+        result = ThinkerStep(token_ids=[], state_start=start)
         if seq.return_states:
             result.embeds = out.hidden_states[0][0]
             result.hidden = out.hidden_states[self.accept_layer][0]
         if prefill and seq.embed_token_ids:
             result.token_embeds = self.embed(torch.tensor(seq.embed_token_ids, device=self.device))
-        seq.stop_reason = result.stop_reason = stop_reason(seq)
-        seq.done = bool(seq.stop_reason)
+        accept(seq, result, token)
         elapsed = time.perf_counter() - t0
         if prefill:
             seq.prefill_seconds += elapsed
