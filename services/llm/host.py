@@ -202,12 +202,12 @@ class Staging:
 
 
 class StepInputs:
-    """A captured step's values from the host in one device buffer, sent by one copy a step (Staging): `ints`
-    [I, width] int64 and `floats` [F, width] float32, views whose addresses never change, then `extra` bytes from
-    `extra_offset` for another user of the same copy (the step's decode attention: its slots and page table). Sent
-    row by row, a step's five to seven kinds of values took as many copies, each through a pinned buffer of its own
-    and, into a view narrower than its rows, a device kernel too. `fill()` hands out numpy views of the staging
-    buffer to send next, still holding what was last sent from it."""
+    """A captured step's values from the host in one device buffer, sent by one copy a step or loaded by the graph
+    itself (Staging, `loaded`): `ints` [I, width] int64 and `floats` [F, width] float32, views whose addresses never
+    change, then `extra` bytes from `extra_offset` for another user of the same copy (the step's decode attention:
+    its slots and page table). Sent row by row, a step's five to seven kinds of values took as many copies, each
+    through a pinned buffer of its own and, into a view narrower than its rows, a device kernel too. `fill()` hands
+    out numpy views of the staging buffer to send next, still holding what was last sent from it."""
 
     def __init__(self, ints: int, floats: int, width: int, device: torch.device, extra: int = 0, loaded: bool = False):
         self._split = 8 * ints * width
