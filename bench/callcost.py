@@ -126,9 +126,9 @@ def main() -> None:
         last[:] += 1
         slots[:] += 1
         pages = np.diff(np.concatenate(([0], np.cumsum(last))))
-        same = bool((pages >= 0).all()) and len(full) >= 0
-        out = [r["generated"][-1] + r["n"] for r in rows if not r["done"] and same]
-        for r, t in zip(rows, out):
+        same = bool((pages >= 0).all()) and len(full) >= 0  # (numpy work of a plan's kind; its result unused)
+        picked = [r["generated"][-1] + r["n"] for r in rows if not r["done"] and same]
+        for r, t in zip(rows, picked):
             r["generated"].append(t)
             del r["generated"][0]
         t1 = time.perf_counter()

@@ -51,11 +51,12 @@ class DecodeGraphs:
                 ints, _ = inputs.fill()
                 ints[5] = -1
                 inputs.send(self.attention[b].plan([]).sent)
-        # mapped_io: the last replay's draws (any size's), and each size's draws in pinned host memory, a row a turn
-        self.carry = torch.zeros(max(sizes), dtype=torch.long, device=self.device)
+        # mapped_io: the last replay's draws (any size's); each size's draws in pinned host memory, a row a turn, and
+        # an event after each turn's replay
+        self.carry = torch.zeros(max(sizes), dtype=torch.long, device=self.device) if mapped_io else None
         self.drawn_host = {b: torch.zeros(2, b, dtype=torch.long, pin_memory=cuda) for b in sizes} if mapped_io else {}
         drawn_out = {b: device_view(h, self.device) for b, h in self.drawn_host.items()}
-        self.done = {b: [torch.cuda.Event() if cuda else None for _ in range(2)] for b in sizes}
+        self.done = {b: [torch.cuda.Event() if cuda else None for _ in range(2)] for b in self.drawn_host}
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
         model, moe, accept_layer = engine.model, engine.moe, engine.accept_layer
         # Every row's noise hashed (the engine seeds unseeded requests itself): no generator state in the graphs
@@ -83,9 +84,8 @@ class DecodeGraphs:
         # Whether a replay is the last one's rows a token on (forget(): a step ran outside the graphs); each size's
         # host rows of positions and settings
         self.replays, self._rows = Replays(), {}
-        # mapped_io, after each replay: its rows' draws in host memory (read after `last_done`), and whether `carry`
-        # holds them (the next replay's rows may take their inputs from there)
-        self.last_drawn_host, self.last_done, self.carried = None, None, False
+        # mapped_io, after each replay: its rows' draws in host memory, read after `last_done`
+        self.last_drawn_host, self.last_done = None, None
         self.graphs = CapturedGraphs(sizes, body, self.device)
 
     @property
@@ -93,16 +93,14 @@ class DecodeGraphs:
         return self.graphs.max_batch
 
     def forget(self) -> None:
-        """A step ran outside the graphs: the next replay is not the last one's rows a token on, nor are the last
-        replay's draws (`carry`) the last step's."""
+        """A step ran outside the graphs: the next replay is not the last one's rows a token on."""
         self.replays.forget()
-        self.carried = False
 
     def replay(self, work: list[Work], ids, counters: list[int], laps: Laps, src: list[int] | None = None) -> tuple:
         """The graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters), replayed.
         Returns (input embeddings, accept-layer states, logits, tokens drawn), valid until the next replay.
         mapped_io: `ids` are host values, and `src` (if any) each row's row in the last replay whose draw is its
-        input instead (-1: its id); those draws must be in `carry` (`carried`, or the caller copied them there)."""
+        input instead (-1: its id); those draws must be in `carry` (the last replay's, or copied there by the caller)."""
         n = len(work)
         b = self.graphs.size_for(n)
         inputs = self.inputs[b]
@@ -142,6 +140,6 @@ class DecodeGraphs:
             if done is not None:
                 done.record(torch.cuda.current_stream(self.device))
             inputs.staging.fence(done)
-            self.last_drawn_host, self.last_done, self.carried = self.drawn_host[b][turn, :n], done, True
+            self.last_drawn_host, self.last_done = self.drawn_host[b][turn, :n], done
         laps.lap("launch")
         return out
