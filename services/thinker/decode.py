@@ -28,7 +28,8 @@ class DecodeGraphs:
     each graph reads; `body` is what each one records (bench.streams runs it on streams of its own, mapped_io off:
     a body that loads its inputs also flips the turn its replays take)."""
 
-    def __init__(self, engine, max_batch: int, scratch: int, scale: float, heads: int, workspace, mapped_io: bool = False):
+    def __init__(self, engine, max_batch: int, scratch: int, scale: float, heads: int, workspace,
+                 mapped_io: bool = False):
         from services.llm.decode_plan import Replays
         from services.llm.flashinfer_attention import DecodeAttention, split_kv
         from services.llm.graphs import CapturedGraphs, ladder
@@ -42,7 +43,8 @@ class DecodeGraphs:
         # capture (into both staging buffers where the graph loads them: each is its turn's).
         self.inputs, self.attention = {}, {}
         for b in sizes:
-            inputs = self.inputs[b] = StepInputs(6, 2, b, self.device, DecodeAttention.nbytes(b, engine.cache), mapped_io)
+            nbytes = DecodeAttention.nbytes(b, engine.cache)
+            inputs = self.inputs[b] = StepInputs(6, 2, b, self.device, nbytes, mapped_io)
             self.attention[b] = DecodeAttention(
                 engine.cache, scale, heads, b, scratch, workspace, engine.decode_tensor_cores,
                 split_kv(b, engine.decode_split_kv_max_batch), engine.decode_direct_plan, inputs.staging,
@@ -100,7 +102,7 @@ class DecodeGraphs:
         """The graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters), replayed.
         Returns (input embeddings, accept-layer states, logits, tokens drawn), valid until the next replay.
         mapped_io: `ids` are host values, and `src` (if any) each row's row in the last replay whose draw is its
-        input instead (-1: its id); those draws must be in `carry` (the last replay's, or copied there by the caller)."""
+        input instead (-1: its id); those draws must be in `carry` (the last replay's, or the caller's copy)."""
         n = len(work)
         b = self.graphs.size_for(n)
         inputs = self.inputs[b]
