@@ -16,6 +16,7 @@ import argparse
 import collections
 import functools
 import json
+import os
 import sys
 import time
 
@@ -42,10 +43,49 @@ TIMED = [
 ]
 
 
+def _gpu_irqs() -> list[int]:
+    """Interrupts so far on each CPU from the GPU driver's lines of /proc/interrupts (nvidia): [] where none show."""
+    try:
+        with open("/proc/interrupts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    cpus = len(lines[0].split()) if lines else 0
+    counts = [0] * cpus
+    for line in lines[1:]:
+        if "nvidia" in line.lower():
+            for i, x in enumerate(line.split()[1:cpus + 1]):
+                counts[i] += int(x) if x.isdigit() else 0
+    return counts if any(counts) else []
+
+
+def _thread_cpu() -> int | None:
+    """The CPU this thread last ran on (/proc/thread-self/stat's field 39), where the platform says."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_probe() -> float:
+    """Microseconds this thread takes for a fixed piece of interpreter work (a loop over 2,000 ints): the CPU's own
+    speed at that moment, beside which a step's host time can be read (a step slower with the probe as slow is the
+    machine's CPU, not the code)."""
+    t = time.perf_counter_ns()
+    total = 0
+    for i in range(2000):
+        total += i & 7
+    return (time.perf_counter_ns() - t) / 1000
+
+
 def host_state() -> dict:
-    """This thread's CPU seconds and involuntary context switches, and the machine's CPU time in all and stolen by its
-    hypervisor (/proc/stat, in clock ticks), where the platform gives them: read before and after a run (host_use)."""
-    state = {"cpu_s": time.thread_time()}
+    """This thread's CPU seconds and involuntary context switches, the process's CPU seconds (its other threads'
+    show as the difference), the machine's CPU time in all, idle and stolen by its hypervisor (/proc/stat, in clock
+    ticks), the GPU's interrupts on each CPU and the CPU this thread is on, where the platform gives them: read
+    before and after a run (host_use)."""
+    state = {"cpu_s": time.thread_time(), "process_cpu_s": time.process_time(), "irqs": _gpu_irqs(),
+             "cpu": _thread_cpu()}
     try:
         import resource
 
@@ -55,7 +95,7 @@ def host_state() -> dict:
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-        state["ticks"], state["steal"] = sum(ticks), ticks[7]
+        state["ticks"], state["idle"], state["steal"] = sum(ticks), ticks[3] + ticks[4], ticks[7]
     except (OSError, ValueError, IndexError):
         pass
     return state
@@ -63,14 +103,27 @@ def host_state() -> dict:
 
 def host_use(before: dict, after: dict, cpu_waited_s: float, steps: int) -> dict:
     """Between two host_state() reads over `steps` steps: the thread's CPU ms a step outside its waits on the device
-    (`cpu_waited_s`: the engine's Laps.cpu_waited over the run), its involuntary switches a step, and the share of
-    the machine's CPU time its hypervisor stole (%). Wall time a step well above CPU time, with switches or steal,
-    is the machine's doing, not the code's."""
-    out = {"host_cpu_ms_per_step": 1000 * (after["cpu_s"] - before["cpu_s"] - cpu_waited_s) / max(steps, 1)}
+    (`cpu_waited_s`: the engine's Laps.cpu_waited over the run), its involuntary switches a step, the share of
+    the machine's CPU time its hypervisor stole (%), how many CPUs were busy on average (`busy_cpus`), the CPU ms a
+    step of the process's other threads, the GPU's interrupts a step in all and on the CPU this thread ended on
+    (`cpu`). Wall time a step well above CPU time, with switches or steal, is the machine's doing, not the code's;
+    CPU time well above a fast run's, with none of those, points at what shares the thread's CPU."""
+    steps = max(steps, 1)
+    thread_s = after["cpu_s"] - before["cpu_s"]
+    out = {"host_cpu_ms_per_step": 1000 * (thread_s - cpu_waited_s) / steps,
+           "other_threads_cpu_ms_per_step": max(0.0, 1000 * (after["process_cpu_s"] - before["process_cpu_s"] - thread_s) / steps)}
     if "switches" in after:
-        out["involuntary_switches_per_step"] = (after["switches"] - before["switches"]) / max(steps, 1)
+        out["involuntary_switches_per_step"] = (after["switches"] - before["switches"]) / steps
     if "ticks" in after and after["ticks"] > before["ticks"]:
-        out["steal_pct"] = 100 * (after["steal"] - before["steal"]) / (after["ticks"] - before["ticks"])
+        ticks = after["ticks"] - before["ticks"]
+        out["steal_pct"] = 100 * (after["steal"] - before["steal"]) / ticks
+        cpus = max(len(after["irqs"]), os.cpu_count() or 1)
+        out["busy_cpus"] = cpus * (1 - (after["idle"] - before["idle"]) / ticks)
+    if after["irqs"] and len(after["irqs"]) == len(before["irqs"]):
+        irqs = [a - b for a, b in zip(after["irqs"], before["irqs"])]
+        out["gpu_irqs_per_step"] = sum(irqs) / steps
+        if after["cpu"] is not None and after["cpu"] < len(irqs):
+            out["cpu"], out["gpu_irqs_on_cpu_per_step"] = after["cpu"], irqs[after["cpu"]] / steps
     return out
 
 

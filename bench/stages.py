@@ -26,7 +26,7 @@ import yaml
 
 from bench import results
 from bench.code2wav import code2wav_cells
-from bench.hostprof import host_state, host_use
+from bench.hostprof import cpu_probe, host_state, host_use
 from bench.records import percentile
 from bench.talker import talker_cells
 from bench.routing import chat_prompts, experts_touched
@@ -139,13 +139,17 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 # Steps back to back, the device drained once before and once after: an engine that overlaps a
                 # step's host work with the previous step's device work shows it (each call launches one step).
                 hosts, launches, usage = [], [], {}
+                idle_probe = statistics.median(cpu_probe() for _ in range(9))  # the CPU's speed before, device idle
+                probes = []
 
                 def decode():
                     before, waited = host_state(), engine.laps.cpu_waited if hasattr(engine, "laps") else 0.0
-                    for _ in range(steps):
+                    for i in range(steps):
                         engine.step(seqs)
                         hosts.append(getattr(engine, "last_host_s", None))
                         launches.append(getattr(engine, "last_launch_s", None))
+                        if i % 8 == 7:  # and between steps, the next one queued (outside the engine's host time)
+                            probes.append(cpu_probe())
                     if hasattr(engine, "laps"):  # the native engine's: its CPU time inside waits is known
                         usage.update(host_use(before, host_state(), engine.laps.cpu_waited - waited, steps))
 
@@ -171,6 +175,8 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                        # step is slow
                        **({"host_ms_p90": 1000 * percentile(hosts, 90)} if None not in hosts else {}),
                        **({"launch_ms_p90": 1000 * percentile(launches, 90)} if None not in launches else {}),
+                       # the same piece of interpreter work's us before the cell (device idle) and between its steps
+                       "cpu_probe_idle_us": idle_probe, "cpu_probe_us": statistics.median(probes) if probes else None,
                        # what of the step the device spends waiting on the host (host work not overlapped with it)
                        "exposed_host_ms": host_ms(step_ms, dev_ms, dev), "alloc_retries": alloc_retries(dev) - retries,
                        # the host's ms a step by phase (the native engine's laps; "wait": blocked on the device)

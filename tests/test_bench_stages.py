@@ -3,6 +3,7 @@ thinker), their modes on one engine, the host's step by phase, a tile shape trie
 experts a step reads, and bench.profile_step's profiles and device timeline."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_native_thinker_cells_split_the_hosts_step_by_phase(bench_dir):
     steps pass through present, none negative, all of them within the step; its CPU ms a step; and the host's p90."""
     out = bench_dir / "thinker-laps.json"
     stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--stages", "thinker", "--batches", "2",
-                 "--prompt-lens", "8", "--decode-steps", "4", "--set", "thinker.engine=native", "--set", "thinker.overlap=true"])
+                 "--prompt-lens", "8", "--decode-steps", "8", "--set", "thinker.engine=native", "--set", "thinker.overlap=true"])
     decode = next(c for c in results.read(out)["cells"] if c["mode"] == "decode")
     split = decode["host_split_ms"]
     assert {"schedule", "queue", "finish", "rest"} <= set(split), split
@@ -78,6 +79,12 @@ def test_native_thinker_cells_split_the_hosts_step_by_phase(bench_dir):
     # from it where Linux tells: involuntary switches, the hypervisor's steal
     assert 0 < decode["host_cpu_ms_per_step"] <= decode["step_ms"] * 1.01, decode
     assert decode.get("involuntary_switches_per_step", 0) >= 0 and 0 <= decode.get("steal_pct", 0) <= 100, decode
+    # and what shares the machine with it: the process's other threads, the busy CPUs (at least this one's share)
+    assert decode["other_threads_cpu_ms_per_step"] >= 0, decode
+    # and a fixed piece of interpreter work's time before the cell and between its steps (the CPU's own speed)
+    assert decode["cpu_probe_idle_us"] > 0 and decode["cpu_probe_us"] > 0, decode
+    if "busy_cpus" in decode:
+        assert 0 < decode["busy_cpus"] <= (os.cpu_count() or 1) + 0.01, decode
     # and the slowest tenth's bound beside the median
     assert decode["host_ms_p90"] >= decode["host_ms_per_step"] > 0, decode
 

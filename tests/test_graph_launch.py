@@ -1,5 +1,7 @@
 """bench.graph_launch's reading of a graph's DOT (the launches themselves are timed on the H200)."""
 
+import pytest
+
 from bench.graph_launch import dot_summary
 
 
@@ -27,3 +29,19 @@ def test_a_fork_and_join_is_not():
     got = dot_summary(text)
     assert got["nodes"] == 4 and got["edges"] == 4 and got["by_type"] == {"KERNEL": 3, "MEMSET": 1}
     assert not got["straight_line"] and got["max_in"] == 2 and got["max_out"] == 2
+
+
+def test_relaunch_cells_time_the_engines_steps_and_need_graphs_for_the_rest(tiny_model, tmp_path):
+    # bench.relaunch on the CPU: its cells run (no graph: nothing launched), its graph actions are refused by name
+    from bench import relaunch, results
+    from conftest import write_config
+
+    write_config(tmp_path / "mesh.yaml", tiny_model)
+    common = ["--config", str(tmp_path / "mesh.yaml"), "--set", "thinker.engine=native", "--batch", "2",
+              "--prompt-len", "8", "--steps", "4"]
+    relaunch.main(common + ["--plan", "cell,cell", "--out", str(tmp_path / "r.json")])
+    cells = results.read(tmp_path / "r.json")["cells"]
+    assert [c["action"] for c in cells] == ["cell", "cell"]
+    assert all(c["host_ms"] > 0 and c["launch_ms"] == 0 and c["cpu_probe_us"] > 0 for c in cells), cells
+    with pytest.raises(SystemExit, match="decode graphs"):
+        relaunch.main(common + ["--plan", "cell,steady"])
