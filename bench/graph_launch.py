@@ -44,13 +44,17 @@ def dot_summary(text: str) -> dict:
     for a, b in edges:
         outs[a] += 1
         ins[b] += 1
-    kinds = {name: next((t for t in TYPES if re.search(rf"\b{t}\b", attrs)), "OTHER")
-             for name, attrs in NODE.findall(EDGE.sub("", text))}
+    nodes = NODE.findall(EDGE.sub("", text))
+    kinds = {name: next((t for t in TYPES if re.search(rf"\b{t}\b", attrs)), "OTHER") for name, attrs in nodes}
+    # What each copy and fill is: its label with addresses and IDs taken out, counted (which ones repeat a layer)
+    copies = Counter(re.sub(r"\s+", " ", re.sub(r"0x[0-9a-fA-F]+|\bID \| \d+ \| \d+", "", attrs)).strip()[:300]
+                     for name, attrs in nodes if kinds[name] in ("MEMCPY", "MEMSET"))
     edges = len(edges)
     n = len(kinds)
     straight = n > 0 and edges == n - 1 and max(ins.values(), default=0) <= 1 and max(outs.values(), default=0) <= 1
     return {"nodes": n, "edges": edges, "by_type": dict(Counter(kinds.values())), "straight_line": straight,
-            "max_in": max(ins.values(), default=0), "max_out": max(outs.values(), default=0)}
+            "max_in": max(ins.values(), default=0), "max_out": max(outs.values(), default=0),
+            **({"copies": dict(copies.most_common())} if copies else {})}
 
 
 def launch_us(graph: "torch.cuda.CUDAGraph", reps: int) -> float:

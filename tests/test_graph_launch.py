@@ -29,6 +29,17 @@ def test_a_fork_and_join_is_not():
     got = dot_summary(text)
     assert got["nodes"] == 4 and got["edges"] == 4 and got["by_type"] == {"KERNEL": 3, "MEMSET": 1}
     assert not got["straight_line"] and got["max_in"] == 2 and got["max_out"] == 2
+    assert list(got["copies"].values()) == [1] and "MEMSET" in next(iter(got["copies"])), got
+
+
+def test_copies_differing_only_by_address_count_as_one_kind():
+    def memcpy(i: int, src: str, size: int) -> str:
+        return (f'"graph_3_node_{i}"[style="solid" shape="record" label="{{\nMEMCPY\n| {{ID | {i} | {i}}}\n'
+                f'| {{kind | DeviceToDevice}} | {{src | {src}}} | {{bytes | {size}}}\n}}"];\n')
+    text = memcpy(0, "0x7f00aa000000", 256) + memcpy(1, "0x7f00bb000400", 256) + memcpy(2, "0x7f00aa000000", 512)
+    text += edge(3, 0, 1) + edge(3, 1, 2)
+    copies = dot_summary(text)["copies"]
+    assert sorted(copies.values()) == [1, 2] and all("0x" not in k and "DeviceToDevice" in k for k in copies), copies
 
 
 def test_relaunch_cells_time_the_engines_steps_and_need_graphs_for_the_rest(tiny_model, tmp_path):
