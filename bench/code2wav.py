@@ -26,7 +26,7 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     from services.model.load import load_component, load_config as model_config
 
     from services.talker.code2wav import NativeCode2Wav, fuse_activations_
-    from services.talker.speech import chunk_plan
+    from services.talker.chunks import chunk_plan
 
     dev, tc = torch.device(device), cfg.talker
     new_frames = dict(chunk_plan(tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames, tc.chunk_growth))

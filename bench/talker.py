@@ -33,7 +33,7 @@ class TalkerFeed:
         self.gen = torch.Generator().manual_seed(seed)
 
     def batch(self, b: int, frames: int) -> list:
-        from services.talker.speech import TalkerSeq
+        from services.talker.seq import TalkerSeq
 
         hidden, seqs = self.spec.thinker_hidden, []
         for i in range(b):

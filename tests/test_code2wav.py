@@ -45,7 +45,7 @@ def test_a_decode_falls_short_by_the_tail_its_upsamplers_trim_and_no_sample_befo
     """decoded_tail (what streamed chunks hand over to the next one): a decode of F frames gives F * 1920 - tail
     samples at any F, each the same as a decode of more frames gives it, the frames after F whatever they are (what
     lets a short last chunk be padded to a captured length, and the next chunk decode the tail from its context)."""
-    from services.talker.speech import decoded_tail
+    from services.talker.chunks import decoded_tail
 
     tail = decoded_tail(code2wav)
     assert tail == 555  # the real upsample rates 8, 5, 4, 3: 8 * 60 + 5 * 12 + 4 * 3 + 3

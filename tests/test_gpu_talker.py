@@ -40,7 +40,7 @@ def speech_requests(engine, model_dir, frames: int = 40, seed: int = 1) -> list:
     """Three speech requests of different prompt lengths, every thinker state in their inboxes, text ended."""
     from services.llm.mrope import Layout
     from services.llm.sampling import SamplingParams
-    from services.talker.speech import TalkerSeq
+    from services.talker.seq import TalkerSeq
     from transformers import AutoTokenizer
 
     spec, gen = engine.spec, torch.Generator().manual_seed(seed)

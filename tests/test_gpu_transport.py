@@ -319,7 +319,7 @@ def test_tensors_put_together_cross_gpus_as_their_stack():
 def test_a_mark_on_the_second_gpu_waits_for_its_work_whatever_the_threads_gpu():
     """A talker on GPU1 reads its codes once its `mark` is reached: the mark must follow GPU1's work even where
     the thread's current GPU is GPU0 (it did not: the mesh's talker read codes the device had not written)."""
-    from services.talker.speech import mark, reached, wait_for
+    from services.llm.host import mark, reached, wait_for
 
     torch.cuda.set_device(0)
     with torch.cuda.device(1):

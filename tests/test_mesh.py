@@ -95,7 +95,7 @@ def test_long_speech_is_chunked_with_left_context(mesh, reference):
     the reference's one decode of all 40 frames is the same only where a chunk has all frames before it)."""
     import torch
 
-    from services.talker.speech import decoded_tail
+    from services.talker.chunks import decoded_tail
 
     case = CASES["image"]
     ids, codes, wave = reference.generate(case, max_tokens=30, speech=True, frames=40)

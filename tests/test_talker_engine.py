@@ -11,7 +11,7 @@ from services.llm.mrope import Layout
 from services.llm.sampling import SamplingParams
 from services.model.spec import audio_tokens
 from services.talker.engine import NativeTalker
-from services.talker.speech import TalkerSeq
+from services.talker.seq import TalkerSeq
 
 CASES = {
     "text": Case([("user", [("text", "Tell me a story about a cat.")])]),
@@ -405,7 +405,7 @@ def test_code2wav_runs_in_the_precision_the_config_names(tiny_model, tmp_path):
 def test_chunk_plans():
     """The streaming plan: the default's three shapes; a first chunk growing twice over up to the full size;
     every chunk's left context is all the frames before it, up to the context."""
-    from services.talker.speech import chunk_plan
+    from services.talker.chunks import chunk_plan
 
     assert chunk_plan(5, 25, 25) == [(5, 5), (30, 25), (50, 25)]
     assert chunk_plan(2, 25, 25, 2.0) == [(2, 2), (6, 4), (14, 8), (30, 16), (50, 25)]

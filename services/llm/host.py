@@ -79,6 +79,30 @@ def wait(event, spin: bool) -> None:
         event.synchronize()
 
 
+def mark(device: torch.device):
+    """A point on the device's timeline: a CUDA event recorded on `device`'s current stream on a GPU (named: a
+    thread's current device may be another GPU), the host's clock elsewhere (where the work between two marks is
+    done when the second is taken)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def reached(m) -> bool:
+    return not hasattr(m, "query") or m.query()
+
+
+def wait_for(m, spin: bool = False) -> None:
+    """Until the device reaches the mark `m` (nothing to wait for off a GPU); `spin`: polling (host.wait)."""
+    if hasattr(m, "synchronize"):
+        wait(m, spin)
+
+
+def seconds_between(a, b) -> float:
+    return a.elapsed_time(b) / 1000 if hasattr(a, "elapsed_time") else b - a
+
 class Laps:
     """The host's seconds in each phase of its steps, summed over them: `start()` at a step's beginning, then
     `lap(name)` charges the time since the last mark to `name`, less what `waited()` reported inside it (charged

@@ -3,7 +3,8 @@ scheduled request on a paged KV cache (prefills in chunks, one row per decode), 
 at once on the device, and runs the code predictor for all those frames straight after (its 15 steps once
 for the whole batch); one read of the device takes the step's codes. With `overlap`, that read comes after
 the next step is launched, so the host's work for a step runs while the device computes the one before.
-Same requests and outputs as the reference engine."""
+Same requests and outputs as the reference engine. A step's frames, drawn, launched and read back, are
+services/talker/frames.py's (FrameSteps)."""
 
 import itertools
 import time
@@ -14,19 +15,20 @@ import torch
 from services.llm import pieces
 from services.llm.attention import SeqSlice, TorchAttention, pick_backend
 from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import scalar, upload
+from services.llm.host import mark, scalar, upload
 from services.llm.context import step_context
 from services.llm.kv_cache import BlockAllocator, KVCache
 from services.llm.layers import fuse, fuse_projections_
 from services.llm.moe import capturable
-from services.llm.sampling import CANDIDATES, sample_batch
 from services.llm.scheduler import Scheduler, SeqState
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.errors import ResourceExhausted
 from services.talker.model import TalkerModel
 from services.talker.decode import FrameGraphs
+from services.talker.frames import FrameSteps, LaunchedFrames
 from services.talker.predictor import PredictorFrames
-from services.talker.speech import SpeechEngine, TalkerSeq, TalkerStep, mark, seconds_between
+from services.talker.seq import TalkerSeq, TalkerStep
+from services.talker.speech import SpeechEngine
 
 PLACEHOLDER = -1  # a talker token (first code) not read back from the device: its value is never needed there
 
@@ -61,7 +63,7 @@ def _columns(p) -> torch.Tensor:
     return p[0][:, p[1]:p[1] + 1] if isinstance(p, tuple) else p
 
 
-class NativeTalker(SpeechEngine):
+class NativeTalker(FrameSteps, SpeechEngine):
     def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
                  seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
                  block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048, max_seqs: int = 256, moe: str = "loop",
@@ -267,68 +269,7 @@ class NativeTalker(SpeechEngine):
             seq.next_embed = None
         self.queued = inputs, {id(state): j for j, state in enumerate(states)}
 
-    def _launch_frames(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor, since) -> "_Frames":
-        """The frames whose first codes `code0` [B] the talker's step just sampled (on the device, not yet read)
-        from its states `hidden` [B, D]: the code predictor queued straight after that step, its codes on their
-        way to host memory. Each request that may go on keeps its frame's summed code embeddings for its next
-        input (one whose frame turns out to be the end code is stopped when the codes are read)."""
-        launched = mark(self.device)
-        codes, embeds = self.predictor.run(seqs, code0, hidden)
-        sums = embeds.sum(1)
-        host = codes
-        if codes.is_cuda:  # the next replay overwrites the predictor's outputs: copied out before it
-            host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
-            host.copy_(codes, non_blocking=True)
-        finished = mark(self.device)  # on a GPU the host no longer waits between the talker and the predictor
-        for seq, summed in zip(seqs, sums):
-            seq.frames_unread += 1
-            if len(seq.frames) + seq.frames_unread < seq.params.max_tokens:
-                seq.next_embed = summed
-        self.laps.lap("queue")
-        return _Frames(seqs, host, (since, launched, finished))
-
-    def _read(self, frames: "_Frames") -> list[TalkerSeq]:
-        """A launched frame step's codes, read (the step's one wait on the device): each request's frame kept,
-        or its end; rows of requests ended or freed since are dropped. Returns the requests read."""
-        since, launched, finished = frames.marks
-        self.wait(finished)
-        rows = frames.codes.tolist()
-        n = len(frames.seqs)
-        talker, predictor = seconds_between(since, launched) / n, seconds_between(launched, finished) / n
-        read = []
-        for seq, row in zip(frames.seqs, rows):
-            seq.frames_unread -= 1
-            if seq.done or self.states.get(id(seq)) is None:
-                continue
-            read.append(seq)
-            seq.seconds["talker"] += talker
-            seq.seconds["code_predictor"] += predictor
-            if row[0] == self.codec_eos:
-                seq.done, seq.eos, seq.next_embed = True, True, None
-                continue
-            seq.frames.append(row)
-            seq.mark("first_frame")
-            if len(seq.frames) >= seq.params.max_tokens:
-                seq.done = True
-        return read
-
-    def _sample_first(self, seqs: list[TalkerSeq], logits: torch.Tensor) -> torch.Tensor:
-        """First codes [B] of the next frames of `seqs`, drawn on the device: the repetition penalty over the
-        codes each request drew before (its row of `seen`, read or not), then `sample_batch` (suppressed ids,
-        the end code banned below min_tokens, seeded draws); each drawn code marked seen."""
-        slots = upload([self.states[id(s)].slot for s in seqs], self.device, torch.long)
-        pens = [s.params.repetition_penalty for s in seqs]
-        if any(p != 1.0 for p in pens):
-            pen = upload(pens, self.device, torch.float32)[:, None]
-            logits = logits.float()
-            logits = torch.where(self.seen[slots], torch.where(logits < 0, logits * pen, logits / pen), logits)
-        frames = [len(s.frames) + s.frames_unread for s in seqs]
-        code0 = sample_batch(logits, [s.params for s in seqs], None, frames, [self.suppressed(s) for s in seqs],
-                             counters=frames)
-        self.seen[slots, code0] = self.drawn_mark
-        return code0
-
-    def _forward(self) -> "_Frames | None":
+    def _forward(self) -> "LaunchedFrames | None":
         """One talker forward over what the scheduler picks; requests that caught up get their next frame
         launched (first code, then the code predictor), not read."""
         work = self.scheduler.schedule()
@@ -406,20 +347,3 @@ class NativeTalker(SpeechEngine):
         if rows == list(range(len(inputs))):
             return inputs
         return inputs[upload(rows, self.device, torch.long)]
-
-    def _first_drawable(self, seqs: list[TalkerSeq]) -> bool:
-        """Whether the captured step's draw gives every row of `seqs` the first code `_sample_first` gives it
-        (graph_sampling): greedy or a top-k below CANDIDATES, no stop ids banned for a minimum length, and the
-        mask of codes drawn still the one the graphs read (it is replaced when more requests start than it holds)."""
-        return self.graph_sampling and self.draws_captured and self.seen is self.decode.seen and all(
-            (s.params.temperature == 0 or 0 < s.params.top_k < CANDIDATES)
-            and not (len(s.frames) + s.frames_unread < s.params.min_tokens and s.params.stop_token_ids) for s in seqs)
-
-
-@dataclass(eq=False)
-class _Frames:
-    """A frame step launched: its requests in row order, their codes [B, G] (pinned host memory a copy lands in,
-    on a GPU), and the step's timeline marks (talker start, predictor start, end)."""
-    seqs: list
-    codes: torch.Tensor
-    marks: tuple

@@ -10,7 +10,7 @@ from services.llm.attention import DenseAttention
 from services.llm.context import step_context
 from services.llm.host import Laps, StepInputs
 from services.llm.sampling import SamplingParams
-from services.talker.speech import PREDICTOR_SAMPLING
+from services.talker.seq import PREDICTOR_SAMPLING
 
 GREEDY = SamplingParams()
 

@@ -13,7 +13,8 @@ from transformers import DynamicCache
 
 from services.llm.sampling import SamplingParams, sample_next
 from services.model.load import load_component
-from services.talker.speech import PREDICTOR_SAMPLING, SpeechEngine, TalkerSeq, TalkerStep
+from services.talker.seq import PREDICTOR_SAMPLING, TalkerSeq, TalkerStep
+from services.talker.speech import SpeechEngine
 
 
 class ReferenceTalker(SpeechEngine):

@@ -15,7 +15,7 @@ from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 from services.talker.engine import NativeTalker
 from services.talker.reference import ReferenceTalker
-from services.talker.speech import TalkerSeq
+from services.talker.seq import TalkerSeq
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):

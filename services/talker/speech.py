@@ -1,147 +1,22 @@
-"""What every talker engine shares: the request, how its prompt is built from the thinker's states, the
-text each frame adds, and chunked code2wav. Engines differ in how they run the talker and code predictor."""
+"""What every talker engine shares: how a request's prompt is built from the thinker's states, the text each frame
+adds, and chunked code2wav. Engines differ in how they run the talker and code predictor. The request itself is
+services/talker/seq.py's, its chunks services/talker/chunks.py's."""
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from services.llm.host import Laps, upload, upload_into, wait
-from services.llm.mrope import Layout, mrope_positions, tokens_from_config
-from services.llm.sampling import SamplingParams
+from services.llm.host import Laps, mark, reached, seconds_between, upload, upload_into, wait_for
+from services.llm.mrope import mrope_positions, tokens_from_config
 from services.model.load import load_component
 from services.model.spec import OmniSpec
 from services.runtime.errors import InvalidArgument
+from services.talker.chunks import Vocoding, chunk_plan, decoded_tail
 from services.talker.code2wav import NativeCode2Wav, fuse_activations_
-
-# The code predictor's own sampling in transformers (fixed there, whatever the talker's settings).
-PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
-
-
-@dataclass
-class TalkerSeq:
-    request_id: str
-    prompt_ids: torch.Tensor  # [L] the thinker's prompt
-    layout: Layout
-    speaker_id: int
-    params: SamplingParams  # max_tokens counts frames
-    tts_embeds: torch.Tensor  # [3, H_thinker]: thinker input embeddings of tts bos, eos, pad
-    # thinker states in order as they arrive: (embeds [n, H], hidden [n, H]); text_ended once the thinker is done
-    inbox: deque = field(default_factory=deque)
-    text_ended: bool = False
-    # engine state
-    text_done: bool = False  # text_ended as seen after taking in every state sent before it
-    done: bool = False
-    eos: bool = False
-    embeds: list[torch.Tensor] = field(default_factory=list)
-    hidden: list[torch.Tensor] = field(default_factory=list)
-    n_states: int = 0
-    cache: DynamicCache | None = None  # the reference engine's; the native engine's state lives in the engine
-    n_cached: int = 0
-    rope_delta: float = 0.0
-    code0: int | None = None  # sampled, its frame not yet predicted
-    past_hidden: torch.Tensor | None = None  # the reference engine's: talker output at the last position [1, 1, D]
-    next_embed: torch.Tensor | None = None  # the native engine's: the last frame's summed code embeddings [D],
-    # waiting for the text its next input adds
-    frames_unread: int = 0  # the native engine's: frames launched whose codes are not read yet
-    frames: list[list[int]] = field(default_factory=list)
-    decoded: int = 0  # frames already turned into audio (launched, perhaps not yet handed out)
-    vocoding: int = 0  # chunks launched and not yet handed out
-    generator: torch.Generator | None = None  # the reference engine's two; the native one hashes seeds
-    predictor_generator: torch.Generator | None = None
-    predictor_params: SamplingParams | None = None  # None: greedy
-    tts: torch.Tensor | None = None  # [3, D] projected tts bos, eos, pad
-    seconds: dict = field(default_factory=lambda: {"talker": 0.0, "code_predictor": 0.0, "code2wav": 0.0})
-    # When the request reached each step on its way to its first audio (host clock): where a time to first
-    # audio goes, reported beside `seconds` (first_audio_split).
-    marks: dict = field(default_factory=lambda: {"arrived": time.perf_counter()})
-
-    def mark(self, milestone: str) -> None:
-        self.marks.setdefault(milestone, time.perf_counter())
-
-    def first_audio_split(self) -> dict[str, float]:
-        """Seconds between its milestones: waiting for the thinker's first text (states), for a step to take
-        it (queue), its prompt's step and first frame (first_frame), and that frame's way out as audio (the
-        first chunk's remaining frames and code2wav: first_chunk)."""
-        order = [("talker_wait_states", "arrived", "ready"), ("talker_queue", "ready", "admitted"),
-                 ("talker_first_frame", "admitted", "first_frame"), ("talker_first_chunk", "first_frame", "first_audio")]
-        return {name: self.marks[b] - self.marks[a] for name, a, b in order if a in self.marks and b in self.marks}
-
-
-def chunk_plan(first: int, size: int, context: int, growth: float = 0.0) -> list[tuple[int, int]]:
-    """The streaming chunks of a request until they repeat, as (frames code2wav sees: left context included,
-    new frames): `first`, then `size` each (growth 0 or 1), or each `growth` times the one before up to
-    `size`; the left context is every frame before the chunk, up to `context`."""
-    plan, start, n = [], 0, first
-    while True:
-        plan.append((min(context, start) + n, n))
-        if start >= context and n == size:
-            return plan
-        start += n
-        n = size if growth <= 1 or plan[-1][1] >= size else min(size, max(n + 1, round(n * growth)))
-
-
-@dataclass
-class SpeechChunk:
-    pcm: np.ndarray  # float32 mono
-    codes: list[list[int]]  # frames x codebooks
-    first_frame: int
-
-
-@dataclass
-class TalkerStep:
-    chunks: list[SpeechChunk]
-    finished: bool = False
-
-
-def mark(device: torch.device):
-    """A point on the device's timeline: a CUDA event recorded on `device`'s current stream on a GPU (named: a
-    thread's current device may be another GPU), the host's clock elsewhere (where the work between two marks is
-    done when the second is taken)."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
-def reached(m) -> bool:
-    return not hasattr(m, "query") or m.query()
-
-
-def wait_for(m, spin: bool = False) -> None:
-    """Until the device reaches the mark `m` (nothing to wait for off a GPU); `spin`: polling (host.wait)."""
-    if hasattr(m, "synchronize"):
-        wait(m, spin)
-
-
-def seconds_between(a, b) -> float:
-    return a.elapsed_time(b) / 1000 if hasattr(a, "elapsed_time") else b - a
-
-
-def decoded_tail(code2wav) -> int:
-    """How many samples a decode of F frames falls short of F frames' worth: each of the decoder's upsamplers (a
-    transposed convolution of stride r trimming r outputs at each end, whose last r would read the row after the
-    last) drops r of its outputs, each as many samples as the upsamplers after it multiply it into (555 for
-    Qwen3-Omni's rates 8, 5, 4, 3)."""
-    tail = 0
-    for block in code2wav.decoder[1:-2]:
-        up = block.block[1]
-        tail = tail * up.conv.stride[0] + up.right_pad
-    return tail
-
-
-@dataclass(eq=False)
-class Vocoding:
-    """code2wav launched for a group of chunks (one length and left context); its waveforms are in host
-    memory once its `end` mark is reached."""
-    chunks: list[tuple[TalkerSeq, int, int]]  # (request, first frame, end frame)
-    pcm: torch.Tensor  # [B, samples] float32: pinned host memory a side stream copies into, or already there
-    begin: object  # marks (see `mark`) before the work and after the copy out
-    end: object
+from services.talker.seq import PREDICTOR_SAMPLING, SpeechChunk, TalkerSeq
 
 
 class SpeechEngine:
