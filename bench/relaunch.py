@@ -57,15 +57,16 @@ def cell(engine, batch: int, prompt_len: int, steps: int, gen: torch.Generator) 
 
 
 def steady(engine, batch: int, steps: int) -> dict:
-    """The decode graph of `batch` rows relaunched behind itself, each launch after waiting for the one two back."""
+    """The decode graph of `batch` rows relaunched behind itself (its copies in turn: decode_graph_copies), each
+    launch after waiting for the one two back."""
     graphs = engine.decode.graphs
-    graph, _ = graphs.graphs[graphs.size_for(batch)]
+    b = graphs.size_for(batch)
     stream = torch.cuda.current_stream(engine.device)
     events = [torch.cuda.Event(), torch.cuda.Event()]
     times = []
     for i in range(steps + steps % 2):
         t0 = time.perf_counter()
-        graph.replay()
+        graphs.replay(b)
         times.append(time.perf_counter() - t0)
         events[i % 2].record(stream)
         events[(i + 1) % 2].synchronize()  # the launch before this one (the overlapped loop's wait)
@@ -77,9 +78,10 @@ def steady(engine, batch: int, steps: int) -> dict:
 def recapture(engine) -> dict:
     decode = engine.decode
     t0 = time.perf_counter()
-    decode.graphs = None
+    copies = len(next(iter(decode.graphs.copies.values())))
+    decode.graphs = None  # the old executables and their pool dropped first
     gc.collect()
-    decode.graphs = CapturedGraphs(sorted(decode.inputs), decode.body, engine.device)
+    decode.graphs = CapturedGraphs(sorted(decode.inputs), decode.body, engine.device, copies)
     decode.forget()
     return {"seconds": time.perf_counter() - t0}
 

@@ -38,6 +38,7 @@ def test_shipped_configs_load():
     (lambda c: c["model"].update(path=""), "model.path is required"),
     (lambda c: c.setdefault("transport", {}).update(cross_gpu_read="push"), "not one of"),
     (lambda c: c.setdefault("talker", {}).update(code2wav_native=True, code2wav_fuse=True), "leave talker.code2wav_fuse off"),
+    (lambda c: c["thinker"].update(decode_graph_copies=0), "decode_graph_copies must be at least 1"),
 ])
 def test_mistakes_are_named(tmp_path, change, message):
     data = base()

@@ -103,7 +103,7 @@ class EagerGraphs(graphs.CapturedGraphs):
     `attention` (the engine's DecodeAttention by size), each replay first checks that every row's new token goes
     to the slot after its last cached one: the last page's slot at the last page's length."""
 
-    def __init__(self, sizes, body, device):
+    def __init__(self, sizes, body, device, copies: int = 1):  # no executables here: every replay is the body's run
         self.sizes, self.body, self.graphs, self.replays, self.launch_s = sorted(sizes), body, {}, 0, 0.0
         self.attention = {}
 

@@ -217,21 +217,22 @@ _MAPPED = {}  # the engine's decode graphs with decode_mapped_io, captured once
 
 
 @contextlib.contextmanager
-def mapped_graphs(engine, hashed_noise: bool = False):
+def mapped_graphs(engine, hashed_noise: bool = False, copies: int = 1):
     """The engine's decode steps on graphs of the same sizes that load their inputs and store their draws themselves
     (decode_mapped_io), planned directly with plans kept, for the `with` block; `hashed_noise`: drawing from hashed
-    noise only, unseeded requests seeded when added (decode_hashed_noise). -> those graphs (DecodeGraphs)."""
+    noise only, unseeded requests seeded when added (decode_hashed_noise); `copies`: each size captured that many
+    times, replayed in turn (decode_graph_copies). -> those graphs (DecodeGraphs)."""
     from services.thinker.decode import DecodeGraphs
 
     plain = engine.decode
     engine.decode_direct_plan = engine.decode_keep_plans = True
     engine.decode_hashed_noise = hashed_noise
     try:
-        if (id(engine), hashed_noise) not in _MAPPED:
+        if (id(engine), hashed_noise, copies) not in _MAPPED:
             one = plain.attention[1]
-            _MAPPED[id(engine), hashed_noise] = DecodeGraphs(engine, GRAPH_MAX, one.scratch, one.scale, one.heads,
-                                                             engine.attention.workspace, mapped_io=True)
-        engine.decode = _MAPPED[id(engine), hashed_noise]
+            _MAPPED[id(engine), hashed_noise, copies] = DecodeGraphs(
+                engine, GRAPH_MAX, one.scratch, one.scale, one.heads, engine.attention.workspace, True, copies)
+        engine.decode = _MAPPED[id(engine), hashed_noise, copies]
         yield engine.decode
     finally:
         engine.decode, engine.decode_direct_plan, engine.decode_keep_plans = plain, False, False
@@ -294,6 +295,10 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     # And with graphs that draw from hashed noise only (decode_hashed_noise; every sampled row here is seeded)
     with mapped_graphs(engine, hashed_noise=True):
         assert run(True) == plain
+    # And with three copies of each graph replayed in turn (decode_graph_copies): each step's outputs its copy's own
+    with mapped_graphs(engine, copies=3) as graphs:
+        assert run(True) == plain and run(False) == plain
+        assert all(len(c) == 3 for c in graphs.graphs.copies.values())
 
 
 def test_overlapped_decode_steps_never_wait_on_a_blocking_copy(pair):

@@ -31,12 +31,18 @@ def ladder(max_batch: int) -> list[int]:
 
 class CapturedGraphs:
     @torch.no_grad()  # a recorded step never builds an autograd graph (nor a compiled variant that would)
-    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device):
-        # Relaunching a graph the device still runs (an overlapped step behind one of its size) makes the host wait
-        # no longer than launching it from an idle device: a second copy of each graph, replayed in turn, gave the
-        # same tok/s (bench/results/graph-launch-1xh200-thinker-eecd411.json, thinker-1xh200-*-copies-*-eecd411.json).
+    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device, copies: int = 1):
+        # `copies`: each size recorded that many times, replayed in turn, so a launch never relaunches the executable
+        # of the last `copies - 1` launches. One launch behind a running replay of itself waited no longer than from
+        # an idle device, and two copies gave the same tok/s (bench/results/graph-launch-1xh200-thinker-eecd411.json,
+        # thinker-1xh200-*-copies-*-eecd411.json); but the thinker's decode graph relaunched in a steady loop took
+        # 0.24 ms a launch (relaunch-1xh200-bf16-b32-partial-494db8d.txt). Outputs are each copy's own.
+        if copies < 1:
+            raise ValueError(f"copies must be at least 1, not {copies}")
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, outputs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, outputs): the first copy
+        self.copies: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}  # size -> every copy, in turn
+        self._turn: dict[int, int] = {}
         self.replays = 0
         self.launch_s = 0.0  # the host's time in replay() so far: launching, and any wait the driver makes it do
         pool = None
@@ -48,16 +54,18 @@ class CapturedGraphs:
                 for _ in range(2):  # warm-up outside the graph: kernels chosen, workspaces allocated
                     body(b)
             torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph(keep_graph=DUMP_DIR is not None)  # kept to be dumped, then instantiated
-            if DUMP_DIR is not None:
-                graph.enable_debug_mode()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = body(b)
-            if DUMP_DIR is not None:
-                graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}.dot")
-                graph.instantiate()
-            pool = graph.pool()
-            self.graphs[b] = (graph, outputs)
+            for c in range(copies):
+                graph = torch.cuda.CUDAGraph(keep_graph=DUMP_DIR is not None and c == 0)  # kept to be dumped
+                if DUMP_DIR is not None and c == 0:
+                    graph.enable_debug_mode()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    outputs = body(b)
+                if DUMP_DIR is not None and c == 0:
+                    graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}.dot")
+                    graph.instantiate()
+                pool = graph.pool()
+                self.copies.setdefault(b, []).append((graph, outputs))
+            self.graphs[b], self._turn[b] = self.copies[b][0], 0
         torch.cuda.synchronize(device)
 
     @property
@@ -68,8 +76,12 @@ class CapturedGraphs:
         return next(b for b in self.sizes if b >= n)
 
     def replay(self, b: int) -> tuple:
-        """Runs the graph of size `b` (inputs filled, plans made); its outputs, valid until the next replay."""
-        graph, outputs = self.graphs[b]
+        """Runs the graph of size `b` (inputs filled, plans made), the next of its copies; its outputs, valid until
+        that copy's next replay (at least until the next replay)."""
+        copies = self.copies[b]
+        turn = self._turn[b]
+        graph, outputs = copies[turn]
+        self._turn[b] = (turn + 1) % len(copies)
         t0 = time.perf_counter()
         graph.replay()
         self.launch_s += time.perf_counter() - t0

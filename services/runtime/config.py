@@ -267,12 +267,17 @@ class ThinkerConfig(LMStageConfig):
     # hashed noise, and the decode graphs hold no generator: torch queues two kernels before each replay of a graph
     # that draws from its generator (its seed and offset filled in). Off until measured on a GPU.
     decode_hashed_noise: bool = False
+    # Each decode graph captured this many times and replayed in turn (services/llm/graphs.py): the bare graph at 32
+    # requests relaunched in a steady loop took 0.24 ms a launch (bench/results/README.md, "Session 24"), and every
+    # later decode cell of a process 0.33-0.85 ms. Whether launching an executable other than the last ones cuts
+    # that is not yet measured: 1 (one copy) until it is.
+    decode_graph_copies: int = 1
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
                 "host_states": self.host_states, "decode_mapped_io": self.decode_mapped_io,
-                "decode_hashed_noise": self.decode_hashed_noise}
+                "decode_hashed_noise": self.decode_hashed_noise, "decode_graph_copies": self.decode_graph_copies}
 
 
 @dataclass
@@ -371,6 +376,8 @@ class MeshConfig:
             if getattr(self, stage).decode_split_kv_max_batch >= 0 and not getattr(self, stage).decode_tensor_cores:
                 raise ConfigError(f"{stage}.decode_split_kv_max_batch needs {stage}.decode_tensor_cores (flashinfer's "
                                   "CUDA-core decode kernel is planned its own way)")
+        if self.thinker.decode_graph_copies < 1:
+            raise ConfigError(f"thinker.decode_graph_copies must be at least 1, not {self.thinker.decode_graph_copies}")
         if self.talker.code2wav_native and self.talker.code2wav_fuse:
             raise ConfigError("talker.code2wav_native fuses code2wav's activations itself: leave talker.code2wav_fuse off")
         if self.encoder.graphs and self.encoder.attention != "varlen":

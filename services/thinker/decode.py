@@ -29,7 +29,7 @@ class DecodeGraphs:
     a body that loads its inputs also flips the turn its replays take)."""
 
     def __init__(self, engine, max_batch: int, scratch: int, scale: float, heads: int, workspace,
-                 mapped_io: bool = False):
+                 mapped_io: bool = False, copies: int = 1):
         from services.llm.decode_plan import Replays
         from services.llm.flashinfer_attention import DecodeAttention, split_kv
         from services.llm.graphs import CapturedGraphs, ladder
@@ -88,7 +88,7 @@ class DecodeGraphs:
         self.replays, self._rows = Replays(), {}
         # mapped_io, after each replay: its rows' draws in host memory, read after `last_done`
         self.last_drawn_host, self.last_done = None, None
-        self.graphs = CapturedGraphs(sizes, body, self.device)
+        self.graphs = CapturedGraphs(sizes, body, self.device, copies)
 
     @property
     def max_batch(self) -> int:

@@ -41,7 +41,8 @@ class NativeThinker(OverlappedDecode):
                  attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
                  decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False, decode_keep_plans: bool = False,
-                 decode_mapped_io: bool = False, decode_hashed_noise: bool = False, spin_wait: bool = False):
+                 decode_mapped_io: bool = False, decode_hashed_noise: bool = False, decode_graph_copies: int = 1,
+                 spin_wait: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.spin_wait = spin_wait  # waits on the device's steps poll, not sleep (services.llm.host.wait)
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
@@ -93,7 +94,7 @@ class NativeThinker(OverlappedDecode):
         self.decode: DecodeGraphs | None = None  # decode steps as CUDA graphs (services/thinker/decode.py)
         if cuda_graph_max_batch and self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
             self.decode = DecodeGraphs(self, min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace,
-                                       decode_mapped_io)
+                                       decode_mapped_io, decode_graph_copies)
         # Other steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
         self.pieces = pieces.build(self.model.model, self.cache, step_graphs, max_batched_tokens, moe, blocks * block_size,
                                    self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))
