@@ -4,7 +4,6 @@
 """
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -20,9 +19,13 @@ from services.runtime.transport import clean_stale_pools
 log = logging.getLogger("launch")
 
 
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: a stage never outlives its launcher, even one killed with SIGKILL.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+def spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`cmd` started in the repository with its output into `log`. Nothing of ours runs between fork and exec (no
+    preexec_fn), so Python starts it by vfork, which runs no fork handlers: forked instead, from a process with gRPC
+    traffic in flight, 7 children in 300 died before their exec (grpcio's handler restarts its poller in the child,
+    which aborts on the epoll fd the child closes before exec)."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
 
 
 class Mesh:
@@ -37,7 +40,11 @@ class Mesh:
         # gRPC's fork handlers off unless asked for: a stage forks only to exec (compilers, spawned preprocessing
         # workers), and with them on, grpcio restarted its poller in such a child, which aborted on the epoll fd the
         # child had closed (a thinker died that way while starting, once in a CI run).
-        self.env = {"GRPC_ENABLE_FORK_SUPPORT": "false", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # A stage never outlives its launcher, even one killed with SIGKILL: it asks the kernel for that itself as it
+        # starts (OMNI_LAUNCHER_PID: services.runtime.server.die_with_launcher), not from code between fork and exec
+        # (spawn(): a preprocess-0 "exited with code -6 while starting" in a CI run when it was).
+        self.env = {"GRPC_ENABLE_FORK_SUPPORT": "false", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {}),
+                    "OMNI_LAUNCHER_PID": str(os.getpid())}
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), self.env.get("PYTHONPATH", "")]))
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -52,11 +59,8 @@ class Mesh:
         clean_stale_pools()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for name, stage, i in self.processes():
-            out = open(self.log_dir / f"{name}.log", "wb")
             cmd = [sys.executable, "-m", f"services.{stage}", "--config", str(self.config_path), "--replica", str(i)]
-            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT,
-                                                preexec_fn=_die_with_parent)
-            out.close()
+            self.procs[name] = spawn(cmd, self.log_dir / f"{name}.log", self.env)
         try:
             self.wait_healthy(timeout)
         except BaseException:

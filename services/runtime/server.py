@@ -5,8 +5,10 @@
 
 import argparse
 import asyncio
+import ctypes
 import functools
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -138,7 +140,19 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
         await built.close()
 
 
+def die_with_launcher() -> None:
+    """A stage started by services.launch (OMNI_LAUNCHER_PID) gets SIGTERM from the kernel when the launcher dies,
+    even killed with SIGKILL (PR_SET_PDEATHSIG); one whose launcher died before it asked exits now."""
+    launcher = os.environ.get("OMNI_LAUNCHER_PID")
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):
+        sys.exit(f"the launcher (pid {launcher}) is gone")
+
+
 def main(stage: str, build: Builder, max_message_bytes: Callable[[MeshConfig], int] | None = None) -> None:
+    die_with_launcher()
     parser = argparse.ArgumentParser(prog=f"python -m services.{stage}")
     parser.add_argument("--config", required=True, help="mesh config (YAML)")
     parser.add_argument("--replica", type=int, default=0, help="which replica of this stage in the config")
