@@ -66,6 +66,29 @@ def device_ms(fn, device: torch.device) -> float | None:
         return None
 
 
+def graph_device_ms(engine, batch: int, replays: int = 4) -> float | None:
+    """Milliseconds of the device a step for one replay of the decode graph that `batch` rows replay (draws inside
+    it: graph_sampling), timed by CUDA events around `replays` replays from an idle device; None where the engine
+    has no such graph. An even number of replays, as a graph that loads its own inputs flips its staging turn each
+    time; the replays re-run the cell's last step on its own (freed after) rows. No torch.profiler: once it has run,
+    CUPTI stays attached to the process, and in every cell after the first the graph's launch took 0.33-0.85 ms
+    where the first cell's took 0.03-0.13 (bench/results/README.md, "Session 24")."""
+    decode = getattr(engine, "decode", None)
+    if decode is None or batch > decode.max_batch or not engine.graph_sampling or engine.device.type != "cuda":
+        return None
+    graphs, stream = decode.graphs, torch.cuda.current_stream(engine.device)
+    b = graphs.size_for(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(engine.device)
+    start.record(stream)
+    for _ in range(replays + replays % 2):
+        graphs.replay(b)
+    end.record(stream)
+    end.synchronize()
+    decode.forget()
+    return start.elapsed_time(end) / (replays + replays % 2)
+
+
 def alloc_retries(device: torch.device) -> int:
     """Times the CUDA caching allocator ran out, freed its cache and tried again (each one waits on the device)."""
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
@@ -156,7 +179,11 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 laps = dict(engine.laps.seconds) if hasattr(engine, "laps") else None  # the native engine's
                 seconds, _ = timed(decode, dev)
                 split = laps_per_step(laps, engine.laps.seconds, steps) if laps is not None else None
-                dev_ms = device_ms(lambda: engine.step(seqs), dev)
+                # The device's time a step: from the decode graph's own replays where it draws the step's tokens
+                # (no profiler), else from torch.profiler's kernels of one step.
+                dev_ms = graph_device_ms(engine, b)
+                dev_by = "graph" if dev_ms is not None else "profiler"
+                dev_ms = dev_ms if dev_ms is not None else device_ms(lambda: engine.step(seqs), dev)
                 step_ms = 1000 * seconds / steps
                 touched = experts_touched(engine, seqs, b) if args.routing_stats else None
                 for s in seqs:
@@ -168,7 +195,8 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
                 host = 1000 * statistics.median(hosts) if None not in hosts else host_ms(step_ms, dev_ms, dev)
                 yield {"stage": "thinker", "engine": cfg.thinker.engine, "mode": name, "batch": b, "prompt_len": length,
                        "steps": steps, "seconds": seconds, "tok_per_s": b * steps / seconds, "step_ms": step_ms,
-                       "device_ms_per_step": dev_ms, "host_ms_per_step": host,
+                       "device_ms_per_step": dev_ms, "device_ms_by": dev_by if dev.type == "cuda" else None,
+                       "host_ms_per_step": host,
                        # of the host's time, the median step's in launching its graph (native engine)
                        "launch_ms_per_step": 1000 * statistics.median(launches) if None not in launches else None,
                        # the slowest tenth's bound of each, where the engine keeps them: a median hides how often a

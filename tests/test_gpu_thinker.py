@@ -292,6 +292,14 @@ def test_overlapped_graph_decode_gives_the_same_tokens(pair):
     with mapped_graphs(engine) as graphs:
         assert run(True) == plain and run(False) == plain
         assert graphs.graphs.replays >= 80 and sum(a.kept.kept for a in graphs.attention.values()) >= 20
+        # bench.stages' device time a step (the graph replayed from an idle device, no profiler) leaves the staging
+        # turns as it found them: the same tokens after it
+        from bench.stages import graph_device_ms
+
+        staging = graphs.inputs[graphs.graphs.size_for(5)].staging
+        turns = staging.turn, int(staging.turn_device)
+        assert 0 < graph_device_ms(engine, 5) < 1000 and (staging.turn, int(staging.turn_device)) == turns
+        assert run(True) == plain
     # And with graphs that draw from hashed noise only (decode_hashed_noise; every sampled row here is seeded)
     with mapped_graphs(engine, hashed_noise=True):
         assert run(True) == plain

@@ -36,7 +36,7 @@ class CapturedGraphs:
         # of the last `copies - 1` launches. One launch behind a running replay of itself waited no longer than from
         # an idle device, and two copies gave the same tok/s (bench/results/graph-launch-1xh200-thinker-eecd411.json,
         # thinker-1xh200-*-copies-*-eecd411.json); but the thinker's decode graph relaunched in a steady loop took
-        # 0.24 ms a launch (relaunch-1xh200-bf16-b32-partial-494db8d.txt). Outputs are each copy's own.
+        # 0.24 ms a launch in one run (relaunch-1xh200-bf16-b32-partial-494db8d.txt). Outputs are each copy's own.
         if copies < 1:
             raise ValueError(f"copies must be at least 1, not {copies}")
         self.sizes = sorted(sizes)

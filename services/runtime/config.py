@@ -268,9 +268,9 @@ class ThinkerConfig(LMStageConfig):
     # that draws from its generator (its seed and offset filled in). Off until measured on a GPU.
     decode_hashed_noise: bool = False
     # Each decode graph captured this many times and replayed in turn (services/llm/graphs.py): the bare graph at 32
-    # requests relaunched in a steady loop took 0.24 ms a launch (bench/results/README.md, "Session 24"), and every
-    # later decode cell of a process 0.33-0.85 ms. Whether launching an executable other than the last ones cuts
-    # that is not yet measured: 1 (one copy) until it is.
+    # requests relaunched in a steady loop took 0.24 ms a launch in one run (bench/results/README.md, "Session 24"),
+    # where one launch behind a running replay took 0.03. Whether other executables launch faster is not measured
+    # (the slow launches of later bench cells have a likelier cause, the bench's profiler): 1 (one copy) until it is.
     decode_graph_copies: int = 1
 
     @property
