@@ -1,5 +1,7 @@
-"""The host-side paging that the flashinfer backends hand to their kernels (CPU: no kernel runs here), and
-the ladder of captured batch sizes."""
+"""The host-side paging that the flashinfer backends hand to their kernels (CPU: no kernel runs here), the
+ladder of captured batch sizes, and the turns their copies take (CapturedGraphs, with a stand-in torch.cuda)."""
+
+import types
 
 import pytest
 import torch
@@ -140,3 +142,64 @@ def test_one_op_max_is_builtins_max():
     module = types.SimpleNamespace()
     quick_max(module)
     assert module.max is one_op_max
+
+
+class _FakeCuda:
+    """What CapturedGraphs asks of torch.cuda, on the CPU: streams that do nothing, and graphs that record the body's
+    outputs at capture and count their replays (no device here: the turn-taking is what is under test)."""
+
+    class CUDAGraph:
+        def __init__(self, keep_graph=False):
+            self.replays = 0
+
+        def pool(self):
+            return "pool"
+
+        def replay(self):
+            self.replays += 1
+
+    class _Null:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait_stream(self, other):
+            pass
+
+    Stream = stream = graph = _Null
+
+    @staticmethod
+    def current_stream(device=None):
+        return _FakeCuda._Null()
+
+    @staticmethod
+    def synchronize(device=None):
+        pass
+
+
+def test_captured_graphs_replay_their_copies_in_turn_each_with_its_own_outputs(monkeypatch):
+    """thinker.decode_graph_copies: each size recorded `copies` times (one body run each, after two warm-ups); the
+    replays of a size take its copies in turn, each returning the outputs its own capture made."""
+    from services.llm import graphs
+
+    monkeypatch.setattr(graphs, "torch", types.SimpleNamespace(cuda=_FakeCuda))  # graphs' own torch.cuda only
+    runs = []
+
+    def body(b):
+        runs.append(b)
+        return (torch.full((b,), float(len(runs))),)
+
+    captured = graphs.CapturedGraphs([1, 4], body, torch.device("cpu"), copies=3)
+    assert runs == [4] * 5 + [1] * 5  # largest first: two warm-ups, then three captures
+    assert [len(c) for c in captured.copies.values()] == [3, 3] and captured.graphs[4] is captured.copies[4][0]
+    outs = [captured.replay(4)[0][0].item() for _ in range(7)]
+    assert outs == [3.0, 4.0, 5.0, 3.0, 4.0, 5.0, 3.0]  # the three captures' outputs, in turn
+    assert [g.replays for g, _ in captured.copies[4]] == [3, 2, 2] and captured.replays == 7
+    assert captured.replay(1)[0].tolist() == [8.0]  # the other size keeps its own turn
+    with pytest.raises(ValueError, match="copies must be at least 1"):
+        graphs.CapturedGraphs([1], body, torch.device("cpu"), copies=0)
