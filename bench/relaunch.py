@@ -1,7 +1,7 @@
 """Why the thinker's decode graph launches slowly in every decode cell but a process's first.
 
     python -m bench.relaunch --config configs/bench-1xh200.yaml [--set section.key=value ...] \
-        [--plan idle,cell,steady,idle,cell,steady,idle,recapture,idle,cell,steady] [--batch 32] [--out FILE.json]
+        [--plan idle,cell,steady,cell,profile,idle,cell,steady,recapture,idle,cell,steady] [--batch 32] [--out FILE.json]
 
 In each of session 24's six processes of bench.stages cells (bench/results/README.md, "Session 24"), the first
 decode cell launched its graph in 0.03-0.13 ms a step and every later one in 0.33-0.85 ms, whatever its size, with
@@ -13,10 +13,13 @@ no other thread busy. This runs the native thinker's decode at one batch through
   behind the one before (still running), waiting for the launch before that: the overlapped loop's launches with
   none of its host work (an even number, so the graph's staging turns come back where they were);
 - idle: the same graph launched from an idle device each time (the launch's own cost in the process's state);
+- profile: two replays under torch.profiler, as bench.stages timed each cell's device time until 0921460 (the
+  likeliest cause: CUPTI stays attached once the profiler has run);
 - recapture: the decode graphs captured anew (the old ones dropped).
-A steady loop as slow as the cell before it puts the cost in the driver's state for that graph or the process; one
-as fast as the first cell's launches, in what the engine does between its launches; a recaptured graph launching
-fast again, in the graph executable itself.
+Cells and launches slower after `profile` than before it put the cost in the profiler's leftovers; a steady loop as
+slow as the cell before it, in the driver's state for that graph or the process; one as fast as the first cell's
+launches, in what the engine does between its launches; a recaptured graph launching fast again, in the graph
+executable itself.
 """
 
 import argparse
@@ -92,6 +95,23 @@ def idle(engine, batch: int, steps: int) -> dict:
     return {"launch_ms": 1000 * statistics.median(times), "launch_ms_p90": 1000 * sorted(times)[int(0.9 * (len(times) - 1))]}
 
 
+def profile(engine, batch: int) -> dict:
+    """One replay of the decode graph of `batch` rows under torch.profiler (CUDA activity), as bench.stages measured
+    each cell's device time until 0921460: whether the launches after it are slower (CUPTI left attached)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiled
+
+    graphs = engine.decode.graphs
+    b = graphs.size_for(batch)
+    torch.cuda.synchronize(engine.device)
+    with profiled(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):  # an even number of replays: the staging turns come back where they were
+            graphs.replay(b)
+        torch.cuda.synchronize(engine.device)
+    engine.decode.forget()
+    return {"kernels_ms": sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 2000}
+
+
 def recapture(engine) -> dict:
     decode = engine.decode
     t0 = time.perf_counter()
@@ -107,7 +127,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--plan", default="idle,cell,steady,idle,cell,steady,idle,recapture,idle,cell,steady")
+    p.add_argument("--plan", default="idle,cell,steady,cell,profile,idle,cell,steady,recapture,idle,cell,steady")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=256)
@@ -117,12 +137,13 @@ def main(argv=None) -> None:
     plan = args.plan.split(",")
     engine = make_engine(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     if getattr(engine, "decode", None) is None and set(plan) - {"cell"}:
-        raise SystemExit("steady, idle and recapture need decode graphs: the native thinker with flashinfer and capturable "
+        raise SystemExit("steady, idle, profile and recapture need decode graphs: the native thinker with flashinfer and capturable "
                          "experts, on a GPU")
     gen = torch.Generator().manual_seed(0)
     actions = {"cell": lambda: cell(engine, args.batch, args.prompt_len, args.steps, gen),
                "steady": lambda: steady(engine, args.batch, args.steps),
-               "idle": lambda: idle(engine, args.batch, min(args.steps, 64)), "recapture": lambda: recapture(engine)}
+               "idle": lambda: idle(engine, args.batch, min(args.steps, 64)), "profile": lambda: profile(engine, args.batch),
+               "recapture": lambda: recapture(engine)}
     rows = []
     for name in plan:
         if name not in actions:
