@@ -30,8 +30,11 @@ import time
 
 import torch
 
+from bench.graph_launch import launch_us
 from bench.hostprof import cpu_probe
+from bench.records import percentile
 from bench.results import machine, new_result, write
+from bench.stages import device_ms
 from services.llm.graphs import CapturedGraphs
 from services.llm.sampling import SamplingParams
 from services.runtime.config import load_config
@@ -57,7 +60,7 @@ def cell(engine, batch: int, prompt_len: int, steps: int, gen: torch.Generator) 
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     return {"host_ms": 1000 * statistics.median(hosts), "launch_ms": 1000 * statistics.median(launches),
-            "launch_ms_p90": 1000 * sorted(launches)[int(0.9 * (len(launches) - 1))]}
+            "launch_ms_p90": 1000 * percentile(launches, 90)}
 
 
 def steady(engine, batch: int, steps: int) -> dict:
@@ -76,40 +79,36 @@ def steady(engine, batch: int, steps: int) -> dict:
         events[(i + 1) % 2].synchronize()  # the launch before this one (the overlapped loop's wait)
     torch.cuda.synchronize(engine.device)
     engine.decode.forget()
-    return {"launch_ms": 1000 * statistics.median(times), "launch_ms_p90": 1000 * sorted(times)[int(0.9 * (len(times) - 1))]}
+    return {"launch_ms": 1000 * statistics.median(times), "launch_ms_p90": 1000 * percentile(times, 90)}
+
+
+class _Turns:
+    """The decode graphs of one size as bench.graph_launch times a graph: replay() takes its copies in turn."""
+
+    def __init__(self, graphs, b: int):
+        self.graphs, self.b = graphs, b
+
+    def replay(self) -> None:
+        self.graphs.replay(self.b)
 
 
 def idle(engine, batch: int, steps: int) -> dict:
     """The decode graph of `batch` rows launched from an idle device each time (its copies in turn): what a launch
-    costs the host in the process's present state with nothing queued before it."""
+    costs the host in the process's present state with nothing queued before it (bench.graph_launch.launch_us)."""
     graphs = engine.decode.graphs
-    b = graphs.size_for(batch)
-    times = []
-    for _ in range(steps + steps % 2):
-        torch.cuda.synchronize(engine.device)
-        t0 = time.perf_counter()
-        graphs.replay(b)
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize(engine.device)
+    us = launch_us(_Turns(graphs, graphs.size_for(batch)), steps + steps % 2)  # even: staging turns come back
     engine.decode.forget()
-    return {"launch_ms": 1000 * statistics.median(times), "launch_ms_p90": 1000 * sorted(times)[int(0.9 * (len(times) - 1))]}
+    return {"launch_ms": us / 1000}
 
 
 def profile(engine, batch: int) -> dict:
-    """One replay of the decode graph of `batch` rows under torch.profiler (CUDA activity), as bench.stages measured
-    each cell's device time until 0921460: whether the launches after it are slower (CUPTI left attached)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiled
-
-    graphs = engine.decode.graphs
-    b = graphs.size_for(batch)
+    """Two replays of the decode graph of `batch` rows under torch.profiler (bench.stages.device_ms), as bench.stages
+    measured each cell's device time until 0921460: whether the launches after it are slower (CUPTI left attached)."""
+    turns = _Turns(engine.decode.graphs, engine.decode.graphs.size_for(batch))
     torch.cuda.synchronize(engine.device)
-    with profiled(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):  # an even number of replays: the staging turns come back where they were
-            graphs.replay(b)
-        torch.cuda.synchronize(engine.device)
+    ms = device_ms(lambda: [turns.replay() for _ in range(2)], engine.device)  # even: staging turns come back
     engine.decode.forget()
-    return {"kernels_ms": sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 2000}
+    return {"kernels_ms": None if ms is None else ms / 2}
 
 
 def recapture(engine) -> dict:
