@@ -129,6 +129,34 @@ def test_step_inputs_a_graph_loads_come_from_the_staging_buffer_of_its_own_turn(
     assert staging.turn_device.tolist() == [0]
 
 
+def test_a_fence_the_caller_has_waited_for_is_not_waited_for_again():
+    """fill() synchronizes the event fence() gave the buffer it fills, unless the caller said the device passed it
+    (reached(): the overlapped decode waited for that step's draws); an event fence() did not give changes nothing."""
+
+    class Event:
+        def __init__(self):
+            self.synchronized = 0
+
+        def synchronize(self) -> None:
+            self.synchronized += 1
+
+    staging = StepInputs(1, 1, 2, torch.device("cpu"), loaded=True).staging
+    first, second, other = Event(), Event(), Event()
+    staging.fill()
+    staging.send()
+    staging.fence(first)  # buffer 0's graph
+    staging.fill()
+    staging.send()
+    staging.fence(second)  # buffer 1's
+    staging.reached(first)
+    staging.reached(other)
+    staging.fill()  # buffer 0: its fence reached
+    staging.send()
+    staging.fence(None)
+    staging.fill()  # buffer 1: waited for here
+    assert (first.synchronized, second.synchronized, other.synchronized) == (0, 1, 0)
+
+
 def test_wait_polls_the_event_when_spinning_and_sleeps_in_the_driver_otherwise():
     from services.llm.host import wait
 

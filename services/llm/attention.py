@@ -22,6 +22,25 @@ class SeqSlice:
     n: int
 
 
+class DecodeSlices:
+    """The SeqSlices of a decode step's rows (scheduler Work, one token each), made as they are read: a steady step's
+    plan reads only the rows whose last page is full (DecodeTable.advance), not all 32 of them."""
+    __slots__ = ("work",)
+
+    def __init__(self, work: list):
+        self.work = work
+
+    def __len__(self) -> int:
+        return len(self.work)
+
+    def __getitem__(self, i: int) -> SeqSlice:
+        w = self.work[i]
+        return SeqSlice(w.seq.blocks, w.start, 1)
+
+    def __iter__(self):
+        return (SeqSlice(w.seq.blocks, w.start, 1) for w in self.work)
+
+
 class TorchAttention:
     def __init__(self, cache: KVCache, scale: float):
         self.cache, self.scale = cache, scale

@@ -53,6 +53,10 @@ class DecodeTable:
                  slots: np.ndarray, block_size: int):
         self.rows, self.indptr, self.indices, self.last, self.slots = len(slices), indptr, indices, last, slots
         self.kv_lens = ((np.diff(indptr) - 1) * block_size + last).astype(np.int32)  # each row's keys, its new one's too
+        # Advances before a row's last page is full (none gets a page), and how many times the page ids grew: most
+        # steps' advance is then three additions, and what reads the page table can tell it is the one it read.
+        self.until_full = int((block_size - last[:self.rows]).min()) if self.rows else block_size
+        self.version = 0
 
     def advance(self, slices: list[SeqSlice], block_size: int) -> bool:
         """Each real row one token on (`slices`: the same sequences, in order): in its last page, or where that page
@@ -61,6 +65,12 @@ class DecodeTable:
         a table or two, where reading every table's length was part of its 113-230 us a step on the lent H200s
         (bench/results/hostprof-1xh200-bf16-*-c9188ca.json)."""
         n = self.rows
+        if self.until_full > 0:  # no row's last page is full: each one a token further in it
+            self.until_full -= 1
+            self.last[:n] += 1
+            self.slots[:n] += 1
+            self.kv_lens[:n] += 1
+            return True
         full = np.flatnonzero(self.last[:n] == block_size)
         if len(full):
             rows, pages = full.tolist(), (self.indptr[full + 1] - self.indptr[full]).tolist()
@@ -80,6 +90,8 @@ class DecodeTable:
             self.indices = indices
             self.indptr[1:] += np.cumsum(np.bincount(full, minlength=len(self.indptr) - 1), dtype=np.int32)
             self.last[full], self.slots[full] = 1, new.astype(np.int64) * block_size
+            self.version += 1
+        self.until_full = int((block_size - self.last[:n]).min())
         return True
 
 

@@ -160,6 +160,10 @@ class DecodeAttention(_Writer):
                      if keep_plans and self.direct_plan and heads // kv_heads <= 16 else None)
         self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
         self._last_plan: DecodeTable | None = None
+        # The table (and its version) whose page pointers and ids each staging buffer holds, and the one the kept plan
+        # was last checked against
+        self._written: list[tuple | None] = [None, None]
+        self._checked: tuple | None = None
         self.advanced = 0  # plans that advanced the last one's table (steady)
 
     @staticmethod
@@ -187,7 +191,10 @@ class DecodeAttention(_Writer):
                                               np.array(last, dtype=np.int32), np.array(slots, dtype=np.int64), bs)
         host_slots[:] = t.slots
         n = len(t.indices)  # the page table in the staging buffer too: a graph that loads it (Staging.loaded) reads all
-        words[:b + 1], words[b + 1:2 * b + 1], words[2 * b + 1:2 * b + 1 + n] = t.indptr, t.last, t.indices
+        words[b + 1:2 * b + 1] = t.last
+        if self._written[self.table.turn] != (t, t.version):  # page pointers and ids, unless this buffer has them
+            words[:b + 1], words[2 * b + 1:2 * b + 1 + n] = t.indptr, t.indices
+            self._written[self.table.turn] = t, t.version
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
         if self._planned_once and self._direct(t, kv_heads, head_dim, bs):
             self.sent = self.offset + 8 * b + 4 * (2 * b + 1 + n)
@@ -224,7 +231,11 @@ class DecodeAttention(_Writer):
         if not (self.direct_plan and w._backend == "fa2" and w._jit_module is None and w.is_cuda_graph_enabled):
             return False
         b = self.batch
+        if self.kept is not None and self._checked == (t, t.version) and self.kept.pages is not None:
+            self.kept.kept += 1  # the same pages as at the last check, which kept or made the schedule: kept again
+            return True
         pages = np.diff(t.indptr)
+        self._checked = (t, t.version) if self.kept is not None else None
         if self.kept is not None and self.kept.keeps(pages):  # the schedule on the device already is this one's
             return True
         # As BatchDecodeWithPagedKVCacheWrapper.plan (0.6.13) calls it for fa2 on tensor cores: total rows and

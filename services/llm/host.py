@@ -216,6 +216,13 @@ class Staging:
         self._copied[self.turn ^ 1] = event
         self._pending[self.turn ^ 1] = event is not None
 
+    def reached(self, event) -> None:
+        """The device has passed `event`, one that fence() took (the caller waited for it, or for a later one on the
+        same stream): fill() need not ask the driver again before filling that buffer."""
+        for i in (0, 1):
+            if self._copied[i] is event:
+                self._pending[i] = False
+
     def load(self) -> None:
         """In the graph, first (loaded): the device buffer from the staging buffer of the graph's turn."""
         torch.index_select(self._words, 0, self.turn_device, out=self._raw_words)

@@ -24,7 +24,7 @@ class SeqState:
         return len(self.tokens) - self.computed
 
 
-@dataclass
+@dataclass(slots=True)
 class Work:
     seq: SeqState
     start: int  # first token of this step's rows
@@ -61,13 +61,18 @@ class Scheduler:
         self.preemptions += 1
 
     def schedule(self) -> list[Work]:
-        budget, work = self.max_tokens, []
+        budget, work, bs, preempted = self.max_tokens, [], self.block_size, self.preemptions
+        # A decode step of many sequences runs this loop once per sequence, every step: what it does for one that
+        # needs no new block (most steps of most sequences) is a few integer operations, no calls.
         for seq in list(self.running):
-            if seq not in self.running or budget == 0 or seq.pending == 0:  # nothing new for it yet (a talker between frames)
+            if preempted != self.preemptions and seq not in self.running:  # preempted by an earlier one this step
                 continue
-            n = min(seq.pending, budget)
-            need = self._blocks_for(seq, n)
-            if need:  # most decode steps need none: a block holds block_size tokens
+            computed = seq.computed
+            n = min(len(seq.tokens) - computed, budget)
+            if n <= 0:  # nothing new for it yet (a talker between frames), or no budget left
+                continue
+            need = -(-(computed + n) // bs) - len(seq.blocks)
+            if need > 0:  # most decode steps need none: a block holds block_size tokens
                 while not self.allocator.can_allocate(need):
                     victim = self.running[-1]
                     self._preempt(victim)
@@ -76,7 +81,7 @@ class Scheduler:
                 if seq not in self.running:
                     continue
                 seq.blocks += self.allocator.allocate(need)
-            work.append(Work(seq, seq.computed, n))
+            work.append(Work(seq, computed, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]

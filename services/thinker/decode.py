@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from services.llm import sampling
-from services.llm.attention import SeqSlice
+from services.llm.attention import DecodeSlices
 from services.llm.context import step_context
 from services.llm.host import Laps, StepInputs, device_view
 from services.llm.sampling import CANDIDATES
@@ -86,8 +86,9 @@ class DecodeGraphs:
         # Whether a replay is the last one's rows a token on (forget(): a step ran outside the graphs); each size's
         # host rows of positions and settings
         self.replays, self._rows = Replays(), {}
-        # mapped_io, after each replay: its rows' draws in host memory, read after `last_done`
-        self.last_drawn_host, self.last_done = None, None
+        # mapped_io, after each replay: its rows' draws in host memory, read after `last_done`, an event its staging
+        # buffer's next fill waits for (`last_staging`, told once the caller has waited: Staging.reached)
+        self.last_drawn_host, self.last_done, self.last_staging = None, None, None
         self.graphs = CapturedGraphs(sizes, body, self.device, copies)
 
     @property
@@ -130,7 +131,7 @@ class DecodeGraphs:
         ints[4, :n] = counters
         floats[:, :n] = float_rows[:, :n]
         laps.lap("inputs")
-        attention = self.attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work], steady)
+        attention = self.attention[b].plan(DecodeSlices(work), steady)
         inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
         if device_ids:  # the pending step's tokens, copied on the device after the buffer's copy lands
             inputs.ints[0, :n] = ids
@@ -142,6 +143,6 @@ class DecodeGraphs:
             if done is not None:
                 done.record(torch.cuda.current_stream(self.device))
             inputs.staging.fence(done)
-            self.last_drawn_host, self.last_done = self.drawn_host[b][turn, :n], done
+            self.last_drawn_host, self.last_done, self.last_staging = self.drawn_host[b][turn, :n], done, inputs.staging
         laps.lap("launch")
         return out

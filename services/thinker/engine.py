@@ -157,8 +157,6 @@ class NativeThinker(OverlappedDecode):
         launched_s = self.decode.graphs.launch_s if self.decode is not None else 0.0
         work = self.scheduler.schedule()
         self.laps.lap("schedule")
-        for w in work:  # a request's wait for its first step ends here
-            w.seq.owner.started = w.seq.owner.started or t0
         if not work and self.pending is None:
             return []
         out = []
@@ -180,10 +178,13 @@ class NativeThinker(OverlappedDecode):
         # Of which launching its graph (a wait inside the driver would show here, not in last_wait_s).
         self.last_launch_s = (self.decode.graphs.launch_s if self.decode is not None else 0.0) - launched_s
         for w in work:
-            if w.start < w.seq.owner.prompt_len:
-                w.seq.owner.prefill_seconds += elapsed
+            seq = w.seq.owner
+            if not seq.started:  # a request's wait for its first step ended at this one's start
+                seq.started = t0
+            if w.start < seq.prompt_len:
+                seq.prefill_seconds += elapsed
             else:
-                w.seq.owner.decode_seconds += elapsed
+                seq.decode_seconds += elapsed
         return out
 
     def _step(self, work: list[Work]) -> list[tuple[ThinkerSeq, ThinkerStep]]:

@@ -28,10 +28,11 @@ class _Pending:
     host: torch.Tensor
     event: object
     placeholders: list[bool]
-    row_of: dict[int, int]  # id(SeqState) -> row
+    row_of: dict  # SeqState (hashed by identity) -> row
     send: list[bool]  # rows whose states go out with their token
     states: tuple | None  # (input embeddings, accept-layer states) of the step's rows, when any row sends them
     carried: bool = False  # its tokens are the decode graphs' `carry` (mapped_io)
+    fence: tuple | None = None  # (Staging, event) where carried: `event` is passed once `event` above is waited for
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -62,21 +63,19 @@ class OverlappedDecode:
         n = len(work)
         prev = self.pending
         pending_rows = prev.row_of if prev is not None else {}
-        # One pass over the rows: where each one's input token is (the pending step's row, or -1: on the host), whether
-        # its states go out with its token (speech requests, once per position), its draw counter (the pending token
-        # counts) and whether the step's draws stand for its token (tensor_drawable).
-        src, send, counters, row_of = [], [], [], {}
-        in_order, drawable = prev is not None, self.graph_sampling
-        for i, w in enumerate(work):
-            seq = w.seq.owner
-            r = pending_rows.get(id(w.seq), -1)
-            in_order = in_order and r == i
-            c = len(seq.generated) + (r >= 0)
-            src.append(r)
-            send.append(seq.return_states and w.start + 1 > w.seq.states_sent)
-            counters.append(c)
-            row_of[id(w.seq)] = i
-            drawable = drawable and tensor_drawable(seq.params, c, CANDIDATES)
+        # The rows' values in comprehensions, not a loop of appends (this runs for every row of every decode step):
+        # where each one's input token is (the pending step's row, or -1: on the host), its draw counter (the pending
+        # token counts), whether its states go out with its token (speech requests, once per position), and whether
+        # the step's draws stand for its token (tensor_drawable).
+        seq_states = [w.seq for w in work]
+        owners = [s.owner for s in seq_states]
+        src = [pending_rows.get(s, -1) for s in seq_states]
+        in_order = prev is not None and src == list(range(n))
+        counters = [len(o.generated) + (r >= 0) for o, r in zip(owners, src)]
+        send = ([o.return_states and w.start + 1 > w.seq.states_sent for o, w in zip(owners, work)]
+                if any(o.return_states for o in owners) else [False] * n)
+        row_of = dict(zip(seq_states, range(n)))
+        drawable = self.graph_sampling and all([tensor_drawable(o.params, c, CANDIDATES) for o, c in zip(owners, counters)])
         graph = self.decode is not None and n <= self.decode.max_batch  # its rows all decode their last token
         mapped = graph and self.decode.mapped_io
         if mapped:  # the pending step's tokens taken from `carry` in the graph (copied there unless its draws)
@@ -115,6 +114,7 @@ class OverlappedDecode:
         self.scheduler.advance(work)
         tokens = drawn if drawn is not None else sample_batch(logits, [w.seq.owner.params for w in work], counters=counters)
         carried = host is not None  # `carry` holds this step's tokens: the graph's draws
+        fence = (self.decode.last_staging, event) if carried else None  # `event` is the graph's, or after it
         if not tokens.is_cuda:
             host = tokens
         elif host is None or states is not None:  # to the host without waiting: read when the next step has been launched
@@ -126,17 +126,18 @@ class OverlappedDecode:
             if states is not None:  # its own event, after the states' copies: one handed out with states (ready) is theirs
                 event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        placeholders = []
-        for w, sent, c in zip(work, send, counters):
-            if sent:
-                w.seq.states_sent = w.start + 1
-            last = c + 1 >= w.seq.owner.params.max_tokens  # this token ends it by length: no further step for it
-            placeholders.append(not last)
-            if not last:
-                w.seq.tokens.append(PLACEHOLDER)
+        if sending:
+            for w, sent in zip(work, send):
+                if sent:
+                    w.seq.states_sent = w.start + 1
+        # A placeholder for each row's token, but where that token ends it by length (no further step for it)
+        placeholders = [c + 1 < o.params.max_tokens for o, c in zip(owners, counters)]
+        for state, placeholder in zip(seq_states, placeholders):
+            if placeholder:
+                state.tokens.append(PLACEHOLDER)
         self.overlapped += prev is not None
         self.laps.lap("queue")
-        return _Pending(work, tokens, host, event, placeholders, row_of, send, states, carried)
+        return _Pending(work, tokens, host, event, placeholders, row_of, send, states, carried, fence)
 
     def _launch_buffers(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """A launched step's pinned buffer for its `n` tokens and the event of their copy: two sets used in turn,
@@ -154,24 +155,28 @@ class OverlappedDecode:
         t_wait, c_wait = time.perf_counter(), time.thread_time()
         if p.event is not None:
             wait(p.event, self.spin_wait)
+            if p.fence is not None:  # the graph's staging buffer is free again: its next fill asks the driver nothing
+                p.fence[0].reached(p.fence[1])
         tokens = p.host.tolist()
         waited = time.perf_counter() - t_wait
         self.last_wait_s += waited
         self.laps.waited(waited, time.thread_time() - c_wait)
-        out = []
+        out, live = [], self.states
         for row, (w, token, placeholder) in enumerate(zip(p.work, tokens, p.placeholders)):
-            seq: ThinkerSeq = w.seq.owner
-            if self.states.get(id(seq)) is not w.seq or seq.done:
+            state = w.seq
+            seq: ThinkerSeq = state.owner
+            if live.get(id(seq)) is not state or seq.done:
                 continue
             if placeholder:
-                w.seq.tokens[w.start + 1] = token
+                state.tokens[w.start + 1] = token
             else:
-                w.seq.tokens.append(token)
+                state.tokens.append(token)
             step = ThinkerStep(token_ids=[])
-            if p.send[row]:
+            if p.states is not None and p.send[row]:
                 step.state_start, step.embeds, step.hidden = w.start, p.states[0][row:row + 1], p.states[1][row:row + 1]
-            # States on the device were copied before the event; on the host they are complete already (read after it).
-            step.ready = p.event if step.embeds is not None and step.embeds.is_cuda else None
+                # States on the device were copied before the event; on the host they are complete already (read
+                # after it).
+                step.ready = p.event if step.embeds.is_cuda else None
             out.append((seq, accept(seq, step, token)))
         self.laps.lap("finish")
         return out

@@ -85,19 +85,19 @@ def validate(seq: ThinkerSeq, vocab: int, hidden: int, has_states: bool) -> None
             raise InvalidArgument(f"multimodal span at {span.offset} of shape {tuple(span.embeds.shape)} does not fit a prompt of {n} x {hidden}")
 
 
-def stop_reason(seq: ThinkerSeq) -> str:
-    """'eos' or 'length' once the last token ends the sequence, else ''."""
-    p = seq.params
-    if seq.generated[-1] in p.stop_token_ids and not p.ignore_eos and len(seq.generated) >= p.min_tokens:
-        return "eos"
-    return "length" if len(seq.generated) >= p.max_tokens else ""
-
-
 def accept(seq: ThinkerSeq, step: ThinkerStep, token: int) -> ThinkerStep:
-    """`token` is the request's next: its output, and whether it ends the request."""
-    seq.generated.append(token)
+    """`token` is the request's next: its output, and whether it ends the request ('eos' or 'length' as its stop
+    reason). Every decode step runs this for each of its requests."""
+    generated = seq.generated
+    generated.append(token)
     step.token_ids = [token]
-    seq.stop_reason = step.stop_reason = stop_reason(seq)
+    p, n = seq.params, len(generated)
+    if token in p.stop_token_ids and not p.ignore_eos and n >= p.min_tokens:
+        seq.stop_reason = step.stop_reason = "eos"
+    elif n >= p.max_tokens:
+        seq.stop_reason = step.stop_reason = "length"
+    else:
+        seq.stop_reason = step.stop_reason = ""
     seq.done = bool(seq.stop_reason)
     return step
 
