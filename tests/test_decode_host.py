@@ -324,6 +324,37 @@ def test_a_kept_plan_is_the_one_flashinfer_would_make_again(batch, max_tiles):
     assert unsplit.keeps(pages // 2) and unsplit.keeps(pages * 3) and not unsplit.keeps(pages[1:])
 
 
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_plan_kept_as_rows_grow_a_page_is_the_one_a_full_check_keeps(split):
+    """KeptPlan.grows (some rows a page longer than at the last check, which kept or made the plan) agrees with
+    keeps() over the whole table, step after step of growth, at every chunk: a row that fills its last chunk exactly
+    and grows a page has one tile more, so the plan is not kept."""
+    import numpy as np
+
+    from services.llm.decode_plan import KeptPlan
+
+    rng = np.random.default_rng(7)
+    outcomes = set()
+    for _ in range(400):
+        pages = rng.integers(1, 60, rng.integers(1, 12))
+        chunk = int(rng.integers(1, 12)) if split else -1
+        quick, full = KeptPlan(10_000, split), KeptPlan(10_000, split)
+        quick.planned(pages.copy(), chunk)
+        full.planned(pages.copy(), chunk)
+        now = pages.copy()
+        for _ in range(6):
+            rows = np.flatnonzero(rng.random(len(now)) < 0.3)
+            before = now[rows].tolist()
+            now = now.copy()
+            now[rows] += 1
+            same = quick.grows(before)
+            assert same == full.keeps(now), (pages.tolist(), chunk, before)
+            outcomes.add(same)
+            if not same:
+                break
+    assert outcomes == ({True, False} if split else {True})
+
 def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
     """DecodeTable.advance against DecodePages: five rows of staggered lengths, 4-token pages, 40 steps each a token on
     (a block appended to a table as its last page fills, one table two blocks ahead of need); each step's page ids,

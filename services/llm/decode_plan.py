@@ -47,52 +47,82 @@ class DecodePages:
 
 
 class DecodeTable:
-    """A decode plan's page table and slots as arrays (`rows` real rows, then padding), kept for the next plan."""
+    """A decode plan's page table and slots as arrays (`rows` real rows, then padding), kept for the next plan and
+    advanced a token at a time.
+
+    A decode step's host work is dozens of small array operations, each a few microseconds on the lent H200s' CPUs
+    (bench/results/hostprof-1xh200-bf16-b32-68d9c4c.json: advance took 81 us a step as 30 of them), so a step does
+    as few as it can: each row's last page's length and its new token's slot are one array, one addition a step
+    for every row; and a row's page fills every `block_size` steps at a phase of its own, so the rows due a page at
+    a step are looked up (`due`), not searched for, and their new pages go in by one concatenation."""
 
     def __init__(self, slices: list[SeqSlice], indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
                  slots: np.ndarray, block_size: int):
-        self.rows, self.indptr, self.indices, self.last, self.slots = len(slices), indptr, indices, last, slots
-        self.kv_lens = ((np.diff(indptr) - 1) * block_size + last).astype(np.int32)  # each row's keys, its new one's too
-        # Advances before a row's last page is full (none gets a page), and how many times the page ids grew: most
-        # steps' advance is then three additions, and what reads the page table can tell it is the one it read.
-        self.until_full = int((block_size - last[:self.rows]).min()) if self.rows else block_size
-        self.version = 0
+        self.rows, self.indptr, self.indices, self.block_size = len(slices), indptr, indices, block_size
+        self.ends = np.empty((2, len(last)), dtype=np.int64)  # last pages' lengths; each row's new token's KV slot
+        self.ends[0], self.ends[1] = last, slots
+        n = self.rows
+        self.pages = np.diff(indptr[:n + 1]).tolist()  # each real row's page count
+        # The rows whose last page is full at the advance a (due[a % block_size]): a row of last page length l
+        # fills it block_size - l advances on, then every block_size advances
+        self.due: list[list[int]] = [[] for _ in range(block_size)]
+        for i, length in enumerate(last[:n].tolist()):
+            self.due[(block_size - length + 1) % block_size].append(i)
+        self.advances = 0
+        # How many times the page ids grew, and the page counts the rows of the last growth had before it: what reads
+        # the table can tell it is the one it read, or that one a page longer in those rows
+        self.version, self.grown_from = 0, []
+
+    @property
+    def last(self) -> np.ndarray:
+        return self.ends[0]
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self.ends[1]
+
+    @property
+    def kv_lens(self) -> np.ndarray:
+        """Each row's keys, its new one's too (int32, as flashinfer's plan takes them)."""
+        return ((np.diff(self.indptr) - 1) * self.block_size + self.ends[0]).astype(np.int32)
 
     def advance(self, slices: list[SeqSlice], block_size: int) -> bool:
         """Each real row one token on (`slices`: the same sequences, in order): in its last page, or where that page
         is full, in the first slot of the next block of its table, inserted in the page ids. False (nothing changed)
-        where a full page's table has no next block. Only full pages' tables are read: a step of 32 requests reads
-        a table or two, where reading every table's length was part of its 113-230 us a step on the lent H200s
-        (bench/results/hostprof-1xh200-bf16-*-c9188ca.json)."""
-        n = self.rows
-        if self.until_full > 0:  # no row's last page is full: each one a token further in it
-            self.until_full -= 1
-            self.last[:n] += 1
-            self.slots[:n] += 1
-            self.kv_lens[:n] += 1
-            return True
-        full = np.flatnonzero(self.last[:n] == block_size)
-        if len(full):
-            rows, pages = full.tolist(), (self.indptr[full + 1] - self.indptr[full]).tolist()
-            tables = [slices[i].block_table for i in rows]
+        where a full page's table has no next block. Only full pages' tables are read."""
+        a = self.advances + 1
+        full = self.due[a % block_size]
+        if full:
+            tables = [slices[i].block_table for i in full]
+            pages = [self.pages[i] for i in full]
             if any(len(t) <= p for t, p in zip(tables, pages)):
                 return False
-            new = np.array([t[p] for t, p in zip(tables, pages)], dtype=np.int32)
-        self.last[:n] += 1
-        self.slots[:n] += 1
-        self.kv_lens[:n] += 1
-        if len(full):  # each new page after its row's last (np.insert: 10-45 us for this on a CPU here)
-            at = self.indptr[full + 1] + np.arange(len(full))
-            indices = np.empty(len(self.indices) + len(full), dtype=self.indices.dtype)
-            before = np.ones(len(indices), dtype=bool)
-            before[at] = False
-            indices[before], indices[at] = self.indices, new
-            self.indices = indices
-            self.indptr[1:] += np.cumsum(np.bincount(full, minlength=len(self.indptr) - 1), dtype=np.int32)
-            self.last[full], self.slots[full] = 1, new.astype(np.int64) * block_size
-            self.version += 1
-        self.until_full = int((block_size - self.last[:n]).min())
+            new = [t[p] for t, p in zip(tables, pages)]
+        self.advances = a
+        self.ends[:, :self.rows] += 1
+        if full:
+            self._grow(full, pages, new, block_size)
         return True
+
+    def _grow(self, full: list[int], pages: list[int], new: list[int], block_size: int) -> None:
+        """Rows `full` (ascending), of `pages` pages, each one page more, `new`, after its last: its first slot."""
+        ids = np.array(new, dtype=self.indices.dtype)
+        parts, at = [], 0
+        for j, cut in enumerate(self.indptr[[i + 1 for i in full]].tolist()):
+            parts += (self.indices[at:cut], ids[j:j + 1])
+            at = cut
+        parts.append(self.indices[at:])
+        self.indices = np.concatenate(parts)
+        if len(full) <= 4:
+            for i in full:
+                self.indptr[i + 1:] += 1
+        else:
+            self.indptr[1:] += np.cumsum(np.bincount(full, minlength=len(self.indptr) - 1), dtype=self.indptr.dtype)
+        self.ends[0, full] = 1
+        self.ends[1, full] = ids.astype(np.int64) * block_size
+        for i in full:
+            self.pages[i] += 1
+        self.version, self.grown_from = self.version + 1, pages
 
 
 class Replays:
@@ -145,6 +175,13 @@ class KeptPlan:
         p = self.pages
         same = (p is not None and len(pages) == len(p)
                 and (not self.split or ((pages >= p).all() and np.array_equal(-(-pages // self.chunk), self.tiles))))
+        self.kept += same
+        return same
+
+    def grows(self, pages: list[int]) -> bool:
+        """Whether rows that had `pages` pages at the last check, now each one page longer (every other row as it
+        was), give the same schedule: unsplit, always; split, where none of them began a chunk anew (p % chunk)."""
+        same = self.pages is not None and (not self.split or all(p % self.chunk for p in pages))
         self.kept += same
         return same
 

@@ -231,9 +231,15 @@ class DecodeAttention(_Writer):
         if not (self.direct_plan and w._backend == "fa2" and w._jit_module is None and w.is_cuda_graph_enabled):
             return False
         b = self.batch
-        if self.kept is not None and self._checked == (t, t.version) and self.kept.pages is not None:
-            self.kept.kept += 1  # the same pages as at the last check, which kept or made the schedule: kept again
-            return True
+        if self.kept is not None and self.kept.pages is not None and self._checked is not None and self._checked[0] is t:
+            # The table the last check kept or planned: as it was (kept again), or one page longer in some rows
+            # (KeptPlan.grows), without reading all of it
+            if self._checked[1] == t.version:
+                self.kept.kept += 1
+                return True
+            if self._checked[1] == t.version - 1 and self.kept.grows(t.grown_from):
+                self._checked = (t, t.version)
+                return True
         pages = np.diff(t.indptr)
         self._checked = (t, t.version) if self.kept is not None else None
         if self.kept is not None and self.kept.keeps(pages):  # the schedule on the device already is this one's
