@@ -11,7 +11,7 @@ instead of rebuilding it.
 import torch
 
 from services.llm import sampling
-from services.llm.attention import SeqSlice
+from services.llm.attention import DecodeSlices
 from services.llm.context import step_context
 from services.llm.host import Laps, StepInputs
 from services.llm.sampling import CANDIDATES
@@ -107,7 +107,7 @@ class FrameGraphs:
             floats[:] = [p.temperature for p in params], [p.top_p for p in params], [p.repetition_penalty for p in params]
         laps.lap("inputs")
         # The last replay's requests one input on (nothing else run between): its page table advanced, not rebuilt
-        attention = self.attention[b].plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work], self.replays.steady(b, work))
+        attention = self.attention[b].plan(DecodeSlices(work), self.replays.steady(b, work))
         inputs.send(attention.sent)  # the rows above, the slots and, planned directly, the page table: one copy
         laps.lap("plan")
         hidden, logits, *code0 = self.graphs.replay(b)

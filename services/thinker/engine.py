@@ -290,7 +290,7 @@ class NativeThinker(OverlappedDecode):
         out, row = [], 0
         for w in work:
             seq: ThinkerSeq = w.seq.owner
-            step = ThinkerStep(token_ids=[])
+            step = ThinkerStep([])
             if seq.return_states and w.start + w.n > w.seq.states_sent:  # rows a preempted sequence recomputes are sent once
                 skip = max(0, w.seq.states_sent - w.start)
                 step.state_start = w.start + skip

@@ -171,7 +171,7 @@ class OverlappedDecode:
                 state.tokens[w.start + 1] = token
             else:
                 state.tokens.append(token)
-            step = ThinkerStep(token_ids=[])
+            step = ThinkerStep([])
             if p.states is not None and p.send[row]:
                 step.state_start, step.embeds, step.hidden = w.start, p.states[0][row:row + 1], p.states[1][row:row + 1]
                 # States on the device were copied before the event; on the host they are complete already (read
