@@ -89,6 +89,9 @@ class DecodeGraphs:
         # mapped_io, after each replay: its rows' draws in host memory, read after `last_done`, an event its staging
         # buffer's next fill waits for (`last_staging`, told once the caller has waited: Staging.reached)
         self.last_drawn_host, self.last_done, self.last_staging = None, None, None
+        # Each graph's outputs cut to a step's rows, and each size's row of draws in host memory cut to them: views
+        # made once (a view is a torch call, several microseconds a step on the lent machines' CPUs)
+        self._rows_of, self._drawn_rows = {}, {}
         self.graphs = CapturedGraphs(sizes, body, self.device, copies)
 
     @property
@@ -101,7 +104,8 @@ class DecodeGraphs:
 
     def replay(self, work: list[Work], ids, counters: list[int], laps: Laps, src: list[int] | None = None) -> tuple:
         """The graph for `work` (its input ids: a device tensor, or host values; its rows' draw counters), replayed.
-        Returns (input embeddings, accept-layer states, logits, tokens drawn), valid until the next replay.
+        Returns (input embeddings, accept-layer states, logits, tokens drawn) of `work`'s rows, valid until the next
+        replay.
         mapped_io: `ids` are host values, and `src` (if any) each row's row in the last replay whose draw is its
         input instead (-1: its id); those draws must be in `carry` (the last replay's, or the caller's copy)."""
         n = len(work)
@@ -137,12 +141,19 @@ class DecodeGraphs:
             inputs.ints[0, :n] = ids
         laps.lap("plan")
         out = self.graphs.replay(b)
+        cut = self._rows_of.get((b, n))  # made again where the graph gave other outputs (another of its copies)
+        if cut is None or cut[0] is not out:
+            cut = self._rows_of[b, n] = out, tuple(t[:n] if t is not None else None for t in out)
+        rows = cut[1]
         if self.mapped_io:
             turn = inputs.staging.turn ^ 1  # the staging buffer this replay loads, and its row of drawn_host
             done = self.done[b][turn]
             if done is not None:
                 done.record(torch.cuda.current_stream(self.device))
             inputs.staging.fence(done)
-            self.last_drawn_host, self.last_done, self.last_staging = self.drawn_host[b][turn, :n], done, inputs.staging
+            drawn = self._drawn_rows.get((b, turn, n))
+            if drawn is None:
+                drawn = self._drawn_rows[b, turn, n] = self.drawn_host[b][turn, :n]
+            self.last_drawn_host, self.last_done, self.last_staging = drawn, done, inputs.staging
         laps.lap("launch")
-        return out
+        return rows

@@ -215,11 +215,10 @@ class NativeThinker(OverlappedDecode):
         embeds, captured, logits, drawn = self.decode.replay(work, [w.seq.tokens[w.start] for w in work], counters,
                                                              self.laps)
         self.scheduler.advance(work)
-        n = len(work)
         if captured is not None and any(w.seq.owner.return_states for w in work):  # the next replay overwrites them
-            embeds, captured = embeds[:n].clone(), captured[:n].clone()
+            embeds, captured = embeds.clone(), captured.clone()
         # Every row ends (rows == 0..n-1): the graph's draws are the step's tokens where every row allows them.
-        return self._outputs(work, embeds, captured, lambda rows: logits[:n], self._drawn(work, drawn[:n], counters))
+        return self._outputs(work, embeds, captured, lambda rows: logits, self._drawn(work, drawn, counters))
 
     def _drawn(self, work: list[Work], drawn: torch.Tensor, counters: list[int]) -> torch.Tensor | None:
         """The tokens a captured step drew, if they stand for every row's (graph_sampling, tensor_drawable)."""

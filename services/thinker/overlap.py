@@ -93,11 +93,11 @@ class OverlappedDecode:
         states, drawn, sending, host, event = None, None, any(send), None, None
         if graph:
             embeds, captured, logits, drawn = self.decode.replay(work, ids, counters, self.laps, src if mapped else None)
-            logits, drawn = logits[:n], drawn[:n] if drawable else None
+            drawn = drawn if drawable else None  # the replay's outputs are the step's rows already
             if mapped and drawable:  # the graph wrote its draws to the host: read after its event
                 host, event = self.decode.last_drawn_host, self.decode.last_done
             if sending:  # the next replay overwrites them: copied out (to the host below, or here)
-                states = embeds[:n], captured[:n]
+                states = embeds, captured
                 if not (self.host_states and embeds.is_cuda):
                     states = tuple(t.clone() for t in states)
         else:
