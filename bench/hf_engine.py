@@ -40,7 +40,7 @@ class StepTimes(BaseStreamer):
 
 
 def sampling_kwargs(d, prefix: str = "") -> dict:
-    """generate() arguments for the deployment's sampling defaults (services.runtime.config.SamplingDefaults)."""
+    """generate() arguments for the deployment's sampling defaults (services.runtime.stage_config.SamplingDefaults)."""
     kw = {"do_sample": d.temperature > 0, "temperature": d.temperature or 1.0, "top_p": d.top_p, "top_k": d.top_k,
           "repetition_penalty": d.repetition_penalty}
     return {prefix + k: v for k, v in kw.items()}

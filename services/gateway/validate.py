@@ -5,8 +5,9 @@ from dataclasses import dataclass
 from omni.v1 import omni_pb2
 from services.llm.sampling import SamplingParams
 from services.model.spec import OmniSpec
-from services.runtime.config import Limits, SamplingDefaults
+from services.runtime.config import Limits
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from services.runtime.stage_config import SamplingDefaults
 
 ROLE_NAMES = {omni_pb2.ROLE_SYSTEM: "system", omni_pb2.ROLE_USER: "user", omni_pb2.ROLE_ASSISTANT: "assistant"}
 
