@@ -257,3 +257,16 @@ def test_hostprof_times_the_native_thinkers_step_by_function_and_puts_it_back(be
     assert f["NativeThinker.step"]["calls"] == f["Scheduler.schedule"]["calls"] >= 4
     assert f["NativeThinker.step"]["us_per_call"] > f["Scheduler.schedule"]["us_per_call"] > 0
     assert NativeThinker.step is step and Scheduler.schedule is schedule
+
+
+def test_host_path_bench_times_the_captured_steps_host_work(tiny_model, tmp_path, monkeypatch):
+    """bench.hostpath: the captured, overlapped, mapped decode path on the CPU stand-ins, every step a replay after
+    the first few (the graphs' replay count grows by the steps), each phase of the host's step timed."""
+    from bench import hostpath
+
+    out = hostpath.main(["--rows", "6", "--steps", "40", "--rounds", "2", "--staggered", "--model", str(tiny_model),
+                         "--out", str(tmp_path / "hostpath.json")], monkeypatch)
+    assert out["steps"] == 40 and out["host_ms_per_step"] > 0
+    assert {"schedule", "inputs", "plan", "launch", "queue", "finish"} <= set(out["host_split_ms"])
+    assert all(v > 0 for v in out["host_split_ms"].values())
+    assert json.loads((tmp_path / "hostpath.json").read_text()) == out
