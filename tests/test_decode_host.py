@@ -383,7 +383,7 @@ def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
                 tb.append(tb[-1] + 1)
         slices = [SeqSlice(tb, n + step, 1) for tb, n in zip(tables, lengths)]
         grew += int((t.last[:len(slices)] == bs).any())
-        assert t.advance(slices, bs)
+        assert t.advance(slices)
         want = build(slices)
         for name in ("indptr", "indices", "last", "slots", "kv_lens"):
             assert getattr(t, name).tolist() == getattr(want, name).tolist(), (step, name)
@@ -391,7 +391,7 @@ def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
     short = [SeqSlice([7], 3, 1)]  # its one page full after this token: the next has no block
     t = build(short)
     before = (t.indices.tolist(), t.last.tolist())
-    assert not t.advance([SeqSlice([7], 4, 1)], bs) and (t.indices.tolist(), t.last.tolist()) == before
+    assert not t.advance([SeqSlice([7], 4, 1)]) and (t.indices.tolist(), t.last.tolist()) == before
 
 
 def test_unseeded_requests_draw_hashed_noise_from_a_seed_of_their_own(tiny_model, reference, monkeypatch):

@@ -86,11 +86,11 @@ class DecodeTable:
         """Each row's keys, its new one's too (int32, as flashinfer's plan takes them)."""
         return ((np.diff(self.indptr) - 1) * self.block_size + self.ends[0]).astype(np.int32)
 
-    def advance(self, slices: list[SeqSlice], block_size: int) -> bool:
+    def advance(self, slices: list[SeqSlice]) -> bool:
         """Each real row one token on (`slices`: the same sequences, in order): in its last page, or where that page
         is full, in the first slot of the next block of its table, inserted in the page ids. False (nothing changed)
         where a full page's table has no next block. Only full pages' tables are read."""
-        a = self.advances + 1
+        a, block_size = self.advances + 1, self.block_size
         full = self.due[a % block_size]
         if full:
             tables = [slices[i].block_table for i in full]
@@ -101,10 +101,10 @@ class DecodeTable:
         self.advances = a
         self.ends[:, :self.rows] += 1
         if full:
-            self._grow(full, pages, new, block_size)
+            self._grow(full, pages, new)
         return True
 
-    def _grow(self, full: list[int], pages: list[int], new: list[int], block_size: int) -> None:
+    def _grow(self, full: list[int], pages: list[int], new: list[int]) -> None:
         """Rows `full` (ascending), of `pages` pages, each one page more, `new`, after its last: its first slot."""
         ids = np.array(new, dtype=self.indices.dtype)
         parts, at = [], 0
@@ -119,7 +119,7 @@ class DecodeTable:
         else:
             self.indptr[1:] += np.cumsum(np.bincount(full, minlength=len(self.indptr) - 1), dtype=self.indptr.dtype)
         self.ends[0, full] = 1
-        self.ends[1, full] = ids.astype(np.int64) * block_size
+        self.ends[1, full] = ids.astype(np.int64) * self.block_size
         for i in full:
             self.pages[i] += 1
         self.version, self.grown_from = self.version + 1, pages

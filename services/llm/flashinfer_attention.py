@@ -183,7 +183,7 @@ class DecodeAttention(_Writer):
             self.table.fill()
         host_slots, words = self._host[self.table.turn]
         t, bs, b = self._last_plan, self.cache.block_size, self.batch
-        if steady and t is not None and t.rows == len(slices) and t.advance(slices, bs):
+        if steady and t is not None and t.rows == len(slices) and t.advance(slices):
             self.advanced += 1
         else:
             indptr, indices, last, slots = self.pages(slices, bs, b, self.scratch)
