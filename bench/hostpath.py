@@ -1,13 +1,13 @@
 """The thinker's captured decode step, host side only, on the CPU: a step's host time by phase, without a GPU.
 
-    python -m bench.hostpath [--rows 32] [--steps 2000] [--staggered] [--out FILE.json]
+    python -m bench.hostpath [--rows 32] [--steps 2000] [--prompt-len 64] [--staggered] [--out FILE.json]
 
 The native thinker runs on the tiny model with the stand-ins of tests/test_decode_host.py (flashinfer's wrapper in
 PyTorch, each decode "graph" its body run eagerly), the defaults of a GPU config (overlapped steps, graphs that load
 their inputs and store their draws, direct plans kept where they would not change), and each replay after a size's
 first hands back that first run's outputs: what is timed is the host's work around the graph, the part of a step
-that issue 5's host time counts. Rows start at 64 prompt tokens, or at 64 + their index (`--staggered`: a page
-comes due most steps). The steps run in rounds; each phase's least time a step over the rounds is reported, the
+that issue 5's host time counts. Rows start at `--prompt-len` prompt tokens (64), or at that + their index
+(`--staggered`: a page comes due most steps). The steps run in rounds; each phase's least time a step over the rounds is reported, the
 least a machine shared with other work gives (bench/results/README.md, "Session 25", has figures).
 """
 
@@ -38,6 +38,7 @@ def main(argv=None, patch=None) -> dict:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--staggered", action="store_true")
     p.add_argument("--model", default=str(ROOT / ".cache" / "tiny-qwen3-omni"))
     p.add_argument("--out", default=None)
@@ -51,7 +52,8 @@ def main(argv=None, patch=None) -> dict:
     patch = patch or _Patch()
     patch.setattr(stand_ins, "STAND_IN_SMS", 132)  # an H200's: plans are kept as there, not replanned for want of room
     engine = stand_ins.captured(args.model, patch, 64, device="cpu", overlap=True, decode_direct_plan=True,
-                                decode_keep_plans=True, decode_mapped_io=True, block_size=16, kv_blocks=8192,
+                                decode_keep_plans=True, decode_mapped_io=True, block_size=16,
+                                kv_blocks=max(8192, args.rows * (-(-(args.prompt_len + args.rows + args.steps + 80) // 16))),
                                 max_batched_tokens=8192)
     graphs, first = engine.decode.graphs, {}
     replay = type(graphs).replay
@@ -66,11 +68,12 @@ def main(argv=None, patch=None) -> dict:
 
     graphs.replay = host_only
     gen = torch.Generator().manual_seed(0)
-    seqs = [ThinkerSeq(f"r{i}", torch.randint(0, engine.vocab, (64 + (i if args.staggered else 0),), generator=gen),
+    seqs = [ThinkerSeq(f"r{i}", torch.randint(0, engine.vocab, (args.prompt_len + (i if args.staggered else 0),),
+                                                  generator=gen),
                        SamplingParams(max_tokens=args.steps + 64, ignore_eos=True)) for i in range(args.rows)]
     for s in seqs:
         engine.add(s)
-    for _ in range(8):  # prompts, then the first decode steps of every size
+    while min(len(s.generated) for s in seqs) < 8:  # prompts, then the first decode steps of every size
         engine.step(seqs)
     per_round, best, host_best = max(args.steps // args.rounds, 1), {}, float("inf")
     for _ in range(args.rounds):
@@ -84,7 +87,7 @@ def main(argv=None, patch=None) -> dict:
         for k, v in engine.laps.seconds.items():
             if k != "wait":
                 best[k] = min(best.get(k, float("inf")), 1000 * (v - before.get(k, 0.0)) / per_round)
-    out = {"rows": args.rows, "staggered": args.staggered, "steps": per_round * args.rounds,
+    out = {"rows": args.rows, "prompt_len": args.prompt_len, "staggered": args.staggered, "steps": per_round * args.rounds,
            "host_ms_per_step": round(host_best, 4), "host_split_ms": {k: round(v, 4) for k, v in best.items()},
            "last_round_wall_ms_per_step": round(1000 * wall / per_round, 4)}
     print(" ".join(f"{k}={v}" for k, v in out.items()))

@@ -264,9 +264,9 @@ def test_host_path_bench_times_the_captured_steps_host_work(tiny_model, tmp_path
     the first few (the graphs' replay count grows by the steps), each phase of the host's step timed."""
     from bench import hostpath
 
-    out = hostpath.main(["--rows", "6", "--steps", "40", "--rounds", "2", "--staggered", "--model", str(tiny_model),
-                         "--out", str(tmp_path / "hostpath.json")], monkeypatch)
-    assert out["steps"] == 40 and out["host_ms_per_step"] > 0
+    out = hostpath.main(["--rows", "6", "--steps", "40", "--rounds", "2", "--staggered", "--prompt-len", "100",
+                         "--model", str(tiny_model), "--out", str(tmp_path / "hostpath.json")], monkeypatch)
+    assert out["steps"] == 40 and out["prompt_len"] == 100 and out["host_ms_per_step"] > 0
     assert {"schedule", "inputs", "plan", "launch", "queue", "finish"} <= set(out["host_split_ms"])
     assert all(v > 0 for v in out["host_split_ms"].values())
     assert json.loads((tmp_path / "hostpath.json").read_text()) == out
