@@ -356,7 +356,8 @@ def test_a_plan_kept_as_rows_grow_a_page_is_the_one_a_full_check_keeps(split):
     assert outcomes == ({True, False} if split else {True})
 
 def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
-    """DecodeTable.advance against DecodePages: five rows of staggered lengths, 4-token pages, 40 steps each a token on
+    """DecodeTable.advance against DecodePages: nine rows of staggered lengths (five of them due a page at the same
+    steps, the other four one or two at a time: both ways of growing), 4-token pages, 40 steps each a token on
     (a block appended to a table as its last page fills, one table two blocks ahead of need); each step's page ids,
     pointers, last pages' lengths, slots and key counts as a fresh build gives them. A full page whose table has
     no next block is not advanced."""
@@ -365,8 +366,8 @@ def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
     from services.llm.attention import SeqSlice
     from services.llm.decode_plan import DecodePages, DecodeTable
 
-    bs, batch, scratch = 4, 8, 999
-    lengths = [3, 4, 5, 9, 16]  # tokens cached before the first step's one
+    bs, batch, scratch = 4, 12, 999
+    lengths = [3, 4, 5, 9, 16, 7, 11, 15, 19]  # tokens cached before the first step's one
     tables = [list(range(100 * i, 100 * i + -(-(n + 1) // bs))) for i, n in enumerate(lengths)]
     tables[1] += [150, 151]  # blocks ahead of need: not pages until the row reaches them
 
@@ -376,18 +377,19 @@ def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
                       np.array(slots, dtype=np.int64), bs)
 
     t = build([SeqSlice(tb, n, 1) for tb, n in zip(tables, lengths)])
-    grew = 0
+    grew = many = 0
     for step in range(1, 41):
         for tb, n in zip(tables, lengths):
             if len(tb) * bs < n + step + 1:
                 tb.append(tb[-1] + 1)
         slices = [SeqSlice(tb, n + step, 1) for tb, n in zip(tables, lengths)]
-        grew += int((t.last[:len(slices)] == bs).any())
+        due = int((t.last[:len(slices)] == bs).sum())
+        grew, many = grew + (due > 0), many + (due > 4)
         assert t.advance(slices)
         want = build(slices)
         for name in ("indptr", "indices", "last", "slots", "kv_lens"):
             assert getattr(t, name).tolist() == getattr(want, name).tolist(), (step, name)
-    assert grew >= 20
+    assert grew >= 20 and many >= 5
     short = [SeqSlice([7], 3, 1)]  # its one page full after this token: the next has no block
     t = build(short)
     before = (t.indices.tolist(), t.last.tolist())
