@@ -132,3 +132,26 @@ def test_stages_start_safely_beside_grpc_traffic(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     codes = [int(c) for c in out.stdout.split()]
     assert len(codes) == 300 and set(codes) == {0}, sorted(set(codes))
+
+
+def test_a_stopping_stage_exits_cleanly_through_further_signals(tiny_model, tmp_path):
+    """`timeout -s INT` signals the launcher's whole process group, then the launcher sends each stage SIGTERM: a
+    stage already stopping gets that second signal at any moment of its exit, after its event loop (and the loop's
+    signal handlers) is gone too. It still exits 0 (one stage died of it, -15, in a run of scripts/mesh)."""
+    config = write_config(tmp_path / "signals.yaml", tiny_model, encoders=1)
+    log = tmp_path / "encoder.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.encoder", "--config", str(config)], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while "serving on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None and "serving on" in log.read_text(), log.read_text()
+    proc.send_signal(signal.SIGINT)
+    terms = 0
+    while proc.poll() is None and time.monotonic() < deadline:  # SIGTERM after SIGINT, again and again until it exits
+        proc.send_signal(signal.SIGTERM)
+        terms += 1
+        time.sleep(0.002)
+    assert proc.wait(timeout=5) == 0, (terms, log.read_text()[-2000:])
+    assert terms >= 10  # its exit took a while: the signals fell in every part of it

@@ -134,6 +134,11 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s[%d] stopping", stage, replica)
+    # Stopping already: a later signal (the launcher's SIGTERM behind a group's SIGINT) must not cut the exit short,
+    # here or after the loop closes (which would put back the default handlers, under which the stage dies of it)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=3)
     if built.close is not None:
