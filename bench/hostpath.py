@@ -7,8 +7,9 @@ PyTorch, each decode "graph" its body run eagerly), the defaults of a GPU config
 their inputs and store their draws, direct plans kept where they would not change), and each replay after a size's
 first hands back that first run's outputs: what is timed is the host's work around the graph, the part of a step
 that issue 5's host time counts. Rows start at `--prompt-len` prompt tokens (64), or at that + their index
-(`--staggered`: a page comes due most steps). The steps run in rounds; each phase's least time a step over the rounds is reported, the
-least a machine shared with other work gives (bench/results/README.md, "Session 25", has figures).
+(`--staggered`: a page comes due most steps); long prompts come out of chunked prefill staggered too. The steps run
+in rounds; each phase's least time a step over the rounds is reported, the least a machine shared with other work
+gives (bench/results/README.md, "Session 25" and "Session 26", has figures).
 """
 
 import argparse
@@ -51,10 +52,10 @@ def main(argv=None, patch=None) -> dict:
 
     patch = patch or _Patch()
     patch.setattr(stand_ins, "STAND_IN_SMS", 132)  # an H200's: plans are kept as there, not replanned for want of room
+    pages_a_row = -(-(args.prompt_len + args.rows + args.steps + 80) // 16)  # its prompt, steps and margin
     engine = stand_ins.captured(args.model, patch, 64, device="cpu", overlap=True, decode_direct_plan=True,
                                 decode_keep_plans=True, decode_mapped_io=True, block_size=16,
-                                kv_blocks=max(8192, args.rows * (-(-(args.prompt_len + args.rows + args.steps + 80) // 16))),
-                                max_batched_tokens=8192)
+                                kv_blocks=max(8192, args.rows * pages_a_row), max_batched_tokens=8192)
     graphs, first = engine.decode.graphs, {}
     replay = type(graphs).replay
 
@@ -87,7 +88,8 @@ def main(argv=None, patch=None) -> dict:
         for k, v in engine.laps.seconds.items():
             if k != "wait":
                 best[k] = min(best.get(k, float("inf")), 1000 * (v - before.get(k, 0.0)) / per_round)
-    out = {"rows": args.rows, "prompt_len": args.prompt_len, "staggered": args.staggered, "steps": per_round * args.rounds,
+    out = {"rows": args.rows, "prompt_len": args.prompt_len, "staggered": args.staggered,
+           "steps": per_round * args.rounds,
            "host_ms_per_step": round(host_best, 4), "host_split_ms": {k: round(v, 4) for k, v in best.items()},
            "last_round_wall_ms_per_step": round(1000 * wall / per_round, 4)}
     print(" ".join(f"{k}={v}" for k, v in out.items()))

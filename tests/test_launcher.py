@@ -147,11 +147,16 @@ def test_a_stopping_stage_exits_cleanly_through_further_signals(tiny_model, tmp_
     while "serving on" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert proc.poll() is None and "serving on" in log.read_text(), log.read_text()
-    proc.send_signal(signal.SIGINT)
-    terms = 0
-    while proc.poll() is None and time.monotonic() < deadline:  # SIGTERM after SIGINT, again and again until it exits
-        proc.send_signal(signal.SIGTERM)
-        terms += 1
-        time.sleep(0.002)
-    assert proc.wait(timeout=5) == 0, (terms, log.read_text()[-2000:])
-    assert terms >= 10  # its exit took a while: the signals fell in every part of it
+    try:
+        proc.send_signal(signal.SIGINT)
+        terms = 0
+        while proc.poll() is None and time.monotonic() < deadline:  # SIGTERM after SIGINT, again and again
+            proc.send_signal(signal.SIGTERM)
+            terms += 1
+            time.sleep(0.002)
+        assert proc.poll() == 0, (terms, log.read_text()[-2000:])
+        assert terms >= 10  # its exit took a while: the signals fell in every part of it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

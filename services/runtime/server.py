@@ -123,15 +123,14 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     reflection.enable_server_reflection(names, server)
     if server.add_insecure_port(r.bind_address) == 0:
         raise RuntimeError(f"{stage}: cannot listen on {r.bind_address}")
+    stop = asyncio.Event()  # set by SIGINT or SIGTERM from here on: a stage that says it serves can be stopped
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     await server.start()
     for name in ["", *built.services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s[%d] serving on %s (metrics :%d)", stage, replica, r.bind_address, r.metrics_port)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s[%d] stopping", stage, replica)
     # Stopping already: a later signal (the launcher's SIGTERM behind a group's SIGINT) must not cut the exit short,
