@@ -134,7 +134,8 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     await stop.wait()
     log.info("%s[%d] stopping", stage, replica)
     # Stopping already: a later signal (the launcher's SIGTERM behind a group's SIGINT) must not cut the exit short,
-    # here or after the loop closes (which would put back the default handlers, under which the stage dies of it)
+    # here or after the loop closes (which would put back the default handlers, under which the stage dies of it).
+    # A stop that hangs is ended by SIGKILL: the launcher's after its grace, as docker's after its own.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
