@@ -8,6 +8,7 @@ from dataclasses import dataclass
 class Context:
     attention: object = None  # a planned attention backend (services/llm/attention.py)
     moe_backend: str = "loop"
+    triton_linear: bool = False  # steps of few rows project q/k/v and attention's output through triton_linear
 
 
 _CONTEXT = Context()
@@ -18,9 +19,9 @@ def get_context() -> Context:
 
 
 @contextmanager
-def step_context(attention, moe_backend: str):
+def step_context(attention, moe_backend: str, triton_linear: bool = False):
     global _CONTEXT
-    _CONTEXT = Context(attention, moe_backend)
+    _CONTEXT = Context(attention, moe_backend, triton_linear)
     try:
         yield _CONTEXT
     finally:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.llm import triton_moe, triton_route
+from services.llm import triton_linear, triton_moe, triton_route
 from services.llm.context import get_context
 from services.llm.moe import TRITON, moe_experts
 
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             raise RuntimeError("attention projections not fused: call fuse_projections_(model) once its weights are loaded")
         return OPS["pre_attention"](x, norm.weight, self.qkv_weight, self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                    norm.eps, self.heads, self.kv_heads, self.head_dim, kv)
+                                    norm.eps, self.heads, self.kv_heads, self.head_dim, kv, get_context().triton_linear)
 
     def fuse_projections_(self) -> None:
         """q, k and v weights in one tensor, for one GEMM instead of three; the three parameters stay, as
@@ -93,15 +93,17 @@ def fuse_projections_(model: nn.Module) -> int:
     return len(layers)
 
 
-def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, kv=None):
+def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, kv=None,
+                  few_rows: bool = False):
     """Input norm, the fused q/k/v projection, QK-norm and rotary embedding:
     [N, H] -> q [N, heads, D], k and v [N, kv_heads, D]; with `kv` (an attention backend's kv_slots), k and v
     also written into the cache. q's and k's heads are normed and rotated as one tensor, each head by its own
     weight: compiled, the norm and the rotation take 2.0 and 1.4 us a layer at 32 requests
     (bench/results/profile-1xh200-b32-decode-fp8a8-acc04a2.txt), where q's and k's kernels took 5.9 and 5.5
-    (profile-1xh200-b32-decode-f29cb53.txt). q and k are views of it: attention takes q's strides."""
+    (profile-1xh200-b32-decode-f29cb53.txt). q and k are views of it: attention takes q's strides. `few_rows`: the
+    projection through triton_linear where the step is short enough."""
     n = x.shape[0]  # N = tokens of the step, all sequences
-    qk, v = F.linear(rms_norm(x, norm_w, eps), qkv_w).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+    qk, v = triton_linear.linear(rms_norm(x, norm_w, eps), qkv_w, few_rows).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
     qk_w = torch.cat([qn_w.expand(heads, head_dim), kn_w.expand(kv_heads, head_dim)])
     q, k = rotate(rms_norm(qk.reshape(n, heads + kv_heads, head_dim), qk_w, eps), cos, sin).split([heads, kv_heads], dim=1)
     v = v.reshape(n, kv_heads, head_dim)
@@ -112,9 +114,10 @@ def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int
     return q, k, v
 
 
-def post_attention(x, attn, o_w, norm_w, eps: float):
-    """Output projection and residual, then the MLP's input norm: returns (residual stream, normed)."""
-    x = x + F.linear(attn, o_w)
+def post_attention(x, attn, o_w, norm_w, eps: float, few_rows: bool = False):
+    """Output projection and residual, then the MLP's input norm: returns (residual stream, normed). `few_rows`: the
+    projection through triton_linear where the step is short enough (its partial sums added up in this kernel)."""
+    x = x + triton_linear.linear(attn, o_w, few_rows)
     return x, rms_norm(x, norm_w, eps)
 
 
@@ -271,5 +274,6 @@ class DecoderLayer(nn.Module):
         """Output projection, residual, norm and the MLP: the layer's output [N, H] from its input and the
         attention's [N, heads, D]."""
         norm = self.post_attention_layernorm
-        x, h = OPS["post_attention"](x, out.reshape(x.shape[0], -1), self.self_attn.o_proj.weight, norm.weight, norm.eps)
+        x, h = OPS["post_attention"](x, out.reshape(x.shape[0], -1), self.self_attn.o_proj.weight, norm.weight, norm.eps,
+                                     get_context().triton_linear)
         return self.mlp(h, residual=x)

@@ -33,24 +33,27 @@ def token_ladder(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
-def build(decoder, cache, step_graphs: int, max_tokens: int, moe: str, scratch_slot: int, capturable: bool):
+def build(decoder, cache, step_graphs: int, max_tokens: int, moe: str, scratch_slot: int, capturable: bool,
+          triton_linear: bool = False):
     """An engine's pieces (`step_graphs`: up to that many tokens, at most its step's `max_tokens`): graphs on a
     GPU whose attention and experts a graph can hold (`capturable`), the same pieces eagerly on the CPU;
-    None when off or not capturable."""
+    None when off or not capturable. `triton_linear`: the step context's (services/llm/context.py)."""
     on_gpu = cache.k.is_cuda
     if not step_graphs or (on_gpu and not capturable):
         return None
-    return StepPieces(decoder, cache, token_ladder(min(step_graphs, max_tokens)), moe, scratch_slot, graphs=on_gpu)
+    return StepPieces(decoder, cache, token_ladder(min(step_graphs, max_tokens)), moe, scratch_slot, graphs=on_gpu,
+                      triton_linear=triton_linear)
 
 
 class StepPieces:
-    def __init__(self, decoder, cache, sizes: list[int], moe: str, scratch_slot: int, graphs: bool):
+    def __init__(self, decoder, cache, sizes: list[int], moe: str, scratch_slot: int, graphs: bool,
+                 triton_linear: bool = False):
         """`decoder`: a stack of layers.DecoderLayer with its `rope` and final `norm` (the thinker's
         `model.model`, the talker's); `cache`: its KV cache; `scratch_slot`: a cache slot no sequence owns, for
         the padding rows' keys."""
         self.decoder = decoder
         self.layers = list(decoder.layers)
-        self.cache, self.moe, self.scratch = cache, moe, scratch_slot
+        self.cache, self.moe, self.scratch, self.triton_linear = cache, moe, scratch_slot, triton_linear
         self.sizes = sorted(sizes)
         attn = self.layers[0].self_attn
         dev, dtype, n = cache.k.device, cache.k.dtype, self.sizes[-1]
@@ -95,7 +98,7 @@ class StepPieces:
         temporaries are free again when it ends: its results are in the buffers above)."""
         self.graphs, pool = {}, None
         stream = torch.cuda.Stream(dev)
-        with step_context(None, self.moe):
+        with step_context(None, self.moe, self.triton_linear):
             for b in sorted(self.sizes, reverse=True):
                 runs = [self._piece(b, j) for j in range(2 * len(self.layers))]
                 stream.wait_stream(torch.cuda.current_stream(dev))
@@ -119,7 +122,7 @@ class StepPieces:
             self.graphs[b][j].replay()
             self.replays += 1
         else:
-            with step_context(None, self.moe):
+            with step_context(None, self.moe, self.triton_linear):
                 self._piece(b, j)()
 
     @torch.no_grad()

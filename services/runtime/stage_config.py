@@ -113,12 +113,14 @@ class LMStageConfig(EngineStageConfig):
     # native engine: KV cache blocks of block_size tokens (0 blocks: as many as the device has room for),
     # at most max_batched_tokens tokens and max_seqs sequences per step; experts by loop, grouped GEMM, or
     # triton: Triton kernels for decode-sized steps and the grouped GEMM for longer ones (GPU only);
-    # triton_sorted: Triton kernels for longer steps too, their rows grouped by expert first (not yet measured).
+    # triton_sorted: Triton kernels for longer steps too, their rows grouped by expert first (not yet measured);
+    # triton_scan: triton as before session 27, each decode program finding its rows among the step's ids
+    # (triton_moe.experts' rows_table off: an A/B).
     block_size: int = 16
     kv_blocks: int = 0
     max_batched_tokens: int = 2048
     max_seqs: int = 256
-    moe: Literal["loop", "grouped", "triton", "triton_sorted"] = "loop"
+    moe: Literal["loop", "grouped", "triton", "triton_sorted", "triton_scan"] = "loop"
     # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile (from a block-fp8 checkpoint: its
     # own tiles and values); off: the model's dtype (a block-fp8 checkpoint is then dequantised at load).
     fp8_experts: Literal["off", "channel", "block"] = "off"
@@ -210,12 +212,17 @@ class ThinkerConfig(LMStageConfig):
     # where one launch behind a running replay took 0.03. Whether other executables launch faster is not measured
     # (the slow launches of later bench cells have a likelier cause, the bench's profiler): 1 (one copy) until it is.
     decode_graph_copies: int = 1
+    # Steps of up to 64 rows (decode) project q/k/v and attention's output through Triton kernels split over the
+    # reduction (services/llm/triton_linear.py), their partial sums added by the compiled code after them, where
+    # cuBLAS reads those weights at 1.8-2.6 TB/s at 32 rows. Off until measured on a GPU.
+    triton_linear: bool = False
 
     @property
     def native_args(self) -> dict:
         return {**super().native_args, "overlap": self.overlap, "graph_sampling": self.graph_sampling,
                 "host_states": self.host_states, "decode_mapped_io": self.decode_mapped_io,
-                "decode_hashed_noise": self.decode_hashed_noise, "decode_graph_copies": self.decode_graph_copies}
+                "decode_hashed_noise": self.decode_hashed_noise, "decode_graph_copies": self.decode_graph_copies,
+                "triton_linear": self.triton_linear}
 
 
 @dataclass

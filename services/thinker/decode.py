@@ -60,7 +60,7 @@ class DecodeGraphs:
         drawn_out = {b: device_view(h, self.device) for b, h in self.drawn_host.items()}
         self.done = {b: [torch.cuda.Event() if cuda else None for _ in range(2)] for b in self.drawn_host}
         draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
-        model, moe, accept_layer = engine.model, engine.moe, engine.accept_layer
+        model, moe, accept_layer, linear = engine.model, engine.moe, engine.accept_layer, engine.triton_linear
         # Every row's noise hashed (the engine seeds unseeded requests itself): no generator state in the graphs
         hashed_noise = engine.decode_hashed_noise
 
@@ -71,7 +71,7 @@ class DecodeGraphs:
             (ids, pos, top_k, seeds, counters, src), (temps, top_p) = inputs.ints, inputs.floats
             if mapped_io:
                 ids = torch.where(src >= 0, self.carry[src.clamp(min=0)], ids)
-            with step_context(self.attention[b], moe):
+            with step_context(self.attention[b], moe, linear):
                 embeds = model.model.embed_tokens(ids)
                 hidden, captured = model(embeds, pos.float().expand(3, -1), capture_layer=accept_layer)
                 logits = model.lm_head(hidden)

@@ -42,7 +42,7 @@ class NativeThinker(OverlappedDecode):
                  graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
                  decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False, decode_keep_plans: bool = False,
                  decode_mapped_io: bool = False, decode_hashed_noise: bool = False, decode_graph_copies: int = 1,
-                 spin_wait: bool = False):
+                 spin_wait: bool = False, triton_linear: bool = False):
         self.device, self.dtype = torch.device(device), dtype
         self.spin_wait = spin_wait  # waits on the device's steps poll, not sleep (services.llm.host.wait)
         self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
@@ -75,6 +75,7 @@ class NativeThinker(OverlappedDecode):
         self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
         self.vocab, self.hidden_size = tc.vocab_size, tc.hidden_size
         self.moe = moe
+        self.triton_linear = triton_linear  # steps of up to 64 rows project q/k/v and attention's output in Triton
         self.attention_backend = pick_backend(attention, self.device, dtype)
         workspace = None
         if self.attention_backend == "flashinfer":
@@ -97,7 +98,7 @@ class NativeThinker(OverlappedDecode):
                                        decode_mapped_io, decode_graph_copies)
         # Other steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
         self.pieces = pieces.build(self.model.model, self.cache, step_graphs, max_batched_tokens, moe, blocks * block_size,
-                                   self.attention_backend == "flashinfer" and capturable(moe, fp8_experts))
+                                   self.attention_backend == "flashinfer" and capturable(moe, fp8_experts), triton_linear)
 
     def _fitting_blocks(self, tc, block_size: int) -> int:
         per_block = KVCache.bytes_per_block(tc.num_hidden_layers, block_size, tc.num_key_value_heads, tc.head_dim, self.dtype)
@@ -198,7 +199,7 @@ class NativeThinker(OverlappedDecode):
         if self.pieces is not None and embeds.shape[0] <= self.pieces.max_tokens:
             hidden, captured = self.pieces.forward(embeds, positions, attention, ds_rows, ds_values, capture)
         else:
-            with step_context(attention, self.moe):
+            with step_context(attention, self.moe, self.triton_linear):
                 hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
         self.scheduler.advance(work)
         return self._outputs(work, embeds, captured, lambda rows: self.model.lm_head(hidden[upload(rows, self.device, torch.long)]))

@@ -106,7 +106,7 @@ class OverlappedDecode:
             positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
             attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
             embeds = self.model.model.embed_tokens(ids)
-            with step_context(attention, self.moe):
+            with step_context(attention, self.moe, self.triton_linear):
                 hidden, captured = self.model(embeds, positions, capture_layer=self.accept_layer if sending else None)
             logits = self.model.lm_head(hidden)
             if sending:
