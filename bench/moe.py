@@ -127,8 +127,6 @@ def main(argv=None):
         "fp8a8_triton": (Fp8Experts(experts, None, activations=True), "triton", 1),
         "fp8blocka8_triton": (Fp8Experts(experts, 128, activations=True), "triton", 1),
     }
-    # each program finding its rows among the step's ids, as before session 27 (moe: triton_scan)
-    ways.update(bf16_triton_scan=(experts, "triton_scan", 2), fp8a8_triton_scan=(ways["fp8a8_triton"][0], "triton_scan", 1))
     result = results.new_result("moe", {"experts": tc.num_experts, "top_k": tc.num_experts_per_tok, "hidden": tc.hidden_size,
                                         "intermediate": tc.moe_intermediate_size}, {}, {"args": vars(args)})
     result["machine"] = results.machine()
@@ -147,7 +145,7 @@ def main(argv=None):
             with step_context(None, "grouped"):
                 ref = experts(x, ids, w).float()
             for name, (module, backend, width) in ways.items():
-                if backend in ("triton", "triton_scan") and n > 2 * triton_moe.MAX_TOKENS and name != "fp8block_triton":
+                if backend == "triton" and n > 2 * triton_moe.MAX_TOKENS and name != "fp8block_triton":
                     continue  # the engine runs the grouped GEMM there (tile-scaled experts: dequantised tiles)
                 if backend == "triton_sorted" and not triton_moe.MAX_TOKENS < n <= triton_moe.SORTED_MAX_TOKENS:
                     continue  # the decode kernels below, the grouped GEMM above

@@ -515,8 +515,7 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
     latter quantised for the down projection by a kernel of its own or by the gate/up kernel) on a layer's real
     activations, at decode-sized token counts (the Triton kernels) and a prefill-sized one, against the bf16
     grouped GEMM; replayed from a graph as run eagerly (up to index_add_'s atomic order where the grouped GEMM
-    runs). Each program's rows listed by the table kernel (moe: triton) or found by the program (triton_scan):
-    the same bits."""
+    runs)."""
     from services.llm.context import step_context
     from services.llm.fp8 import Fp8Experts
 
@@ -546,12 +545,10 @@ def test_triton_experts_track_the_grouped_gemm_in_and_out_of_a_graph(pair):
                     with torch.cuda.graph(graph):
                         captured = module(x, top, w)
                     graph.replay()
-                with step_context(None, "triton_scan"):
-                    scanned = module(x, top, w)
                 print(f"{n} tokens, triton {name} vs bf16 grouped: {rel(eager, ref):.4f}")
                 assert rel(eager, ref) < bound, (n, name)  # bf16 rounding; what e4m3 weights cost (bf16 activations)
                 if n <= 64:
-                    assert torch.equal(captured, eager) and torch.equal(scanned, eager), (n, name)
+                    assert torch.equal(captured, eager), (n, name)
                 else:
                     assert rel(captured, eager) < 0.005, (n, name)
         for scale in ("channel", "block"):  # fused at 64 tokens (N tiles of 128), the quantising kernel at 1 and 8

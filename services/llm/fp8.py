@@ -94,8 +94,7 @@ class Fp8Experts(nn.Module):
         backend = get_context().moe_backend
         if x.is_cuda and backend in TRITON and x.shape[0] <= triton_moe.MAX_TOKENS:
             return triton_moe.experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
-                                      self.down_proj_scale, self.block, residual, self.activations, self.fused_quant,
-                                      rows_table=backend != "triton_scan")
+                                      self.down_proj_scale, self.block, residual, self.activations, self.fused_quant)
         if (x.is_cuda and backend == "triton_sorted" and self.block is None and not self.activations
                 and x.shape[0] <= triton_moe.SORTED_MAX_TOKENS):
             return triton_moe.experts_sorted(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,

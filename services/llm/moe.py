@@ -9,14 +9,14 @@ import torch.nn.functional as F
 from services.llm import triton_moe
 
 
-TRITON = ("triton", "triton_sorted", "triton_scan")  # backends whose decode-sized steps run the Triton kernels
+TRITON = ("triton", "triton_sorted")  # backends whose decode-sized steps run the Triton kernels
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 backend: str = "loop", residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H], plus `residual` if given."""
     if backend in TRITON and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
-        return triton_moe.experts(x, ids, weights, gate_up, down, residual=residual, rows_table=backend != "triton_scan")
+        return triton_moe.experts(x, ids, weights, gate_up, down, residual=residual)
     if backend == "triton_sorted" and x.is_cuda and x.shape[0] <= triton_moe.SORTED_MAX_TOKENS:
         return triton_moe.experts_sorted(x, ids, weights, gate_up, down, residual=residual)
     if backend in ("grouped", *TRITON):  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for

@@ -87,27 +87,6 @@ if triton is not None:
         return e, rows, m_mask, any_rows
 
     @triton.jit
-    def _table_kernel(ids_ptr, rows_ptr, block_expert_ptr, R, E: tl.constexpr, R_PAD: tl.constexpr,
-                      M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-        """Every expert's routed rows in row order, in M_BLOCKS blocks of BLOCK_M a expert (block e * M_BLOCKS + m),
-        the sentinel R after its last (WIDTH = M_BLOCKS * BLOCK_M a expert); each block's expert, E where it holds no
-        row: the layout the SORTED kernels read, made by one program from the step's ids, once for all the programs
-        that each found their own."""
-        offs_r = tl.arange(0, R_PAD)
-        offs_e = tl.arange(0, E)
-        ids = tl.load(ids_ptr + offs_r, mask=offs_r < R, other=-1)
-        hit = (ids[None, :] == offs_e[:, None]).to(tl.int32)  # [E, R_PAD]
-        rank = tl.cumsum(hit, 1) - 1  # a row's place among its expert's
-        count = tl.sum(hit, 1)
-        offs_m = tl.arange(0, BLOCK_M)
-        for m in tl.static_range(M_BLOCKS):
-            tl.store(rows_ptr + offs_e[:, None] * WIDTH + m * BLOCK_M + offs_m[None, :], tl.full((E, BLOCK_M), R, tl.int32))
-        tl.debug_barrier()  # the sentinels written before the rows over them
-        tl.store(rows_ptr + offs_e[:, None] * WIDTH + rank, offs_r[None, :], mask=(hit == 1) & (rank < WIDTH))
-        for m in tl.static_range(M_BLOCKS):
-            tl.store(block_expert_ptr + offs_e * M_BLOCKS + m, tl.where(count > m * BLOCK_M, offs_e, E))
-
-    @triton.jit
     def _quantize_rows(a, GRID_ROUND: tl.constexpr):
         """A [rows, 128] tile of activations in e4m3, one scale per row (a zero row keeps a tiny one):
         the same numbers as fp8.quantize_groups gives for those 128 channels. The GPU's conversion rounds
@@ -304,17 +283,14 @@ def _dot_type(scale: int):
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
             block: int | None = None, residual: torch.Tensor | None = None, fp8_activations: bool = False,
-            fused_quant: bool = False, rows_table: bool = True) -> torch.Tensor:
+            fused_quant: bool = False) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] (bf16, or fp8 with `*_scale`:
     [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype, plus
     `residual` [T, H] when given (added in float32 before the one rounding). With fp8 weights and
     `fp8_activations`, both projections' inputs are quantised to e4m3 per row and 128 channels inside the
     kernels and the products run on fp8 tensor cores (no weight converted to bf16). `fused_quant`: the down
     projection's input is quantised by the gate/up kernel as it stores it, not by a kernel of its own, where a
-    program's columns are one scale group (N tiles of 128, bf16 inputs); elsewhere as without it. `rows_table`: where
-    the routed rows are at least the experts, every expert's rows listed once by one program (`_table_kernel`) for the
-    gate/up and down kernels to read, where each of their programs finds its own among the step's ids (a scan of every
-    routed id before its first weight load; 768 gate/up and 2,048 down programs a layer at 32 tokens in bf16)."""
+    program's columns are one scale group (N tiles of 128, bf16 inputs); elsewhere as without it."""
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
@@ -337,24 +313,12 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     # Fewer routed rows than experts (a batch of one: 8 of 128): programs per routed row, not per expert, so the
     # unchosen experts' programs are never started (each would still take its turn on an SM to find no rows).
     compact = t * k < n_exp
-    r_pad = triton.next_power_of_2(t * k)
-    # Otherwise, with rows_table, every expert's rows listed once by one program (`_table_kernel`) for the kernels to
-    # read as the sorted ones do, in the same blocks as they would find them
-    table = rows_table and not compact and n_exp & (n_exp - 1) == 0
-    common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=1 if table else r_pad, M_BLOCKS=m_blocks, SORTED=table,
+    common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, SORTED=False,
                   COMPACT=compact, **cfg)
     programs = (t * k if compact else n_exp) * m_blocks
     fused = bool(fused_quant and a8 and cfg["BLOCK_N"] == 128 and x.dtype == torch.bfloat16)
-    ptrs = (flat_ids, flat_ids, flat_ids)  # rows and block experts unread
-    if table:
-        rows = torch.empty(n_exp * m_blocks * cfg["BLOCK_M"], device=x.device, dtype=torch.int32)
-        block_expert = torch.empty(n_exp * m_blocks, device=x.device, dtype=torch.int32)
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            _table_kernel[(1,)](flat_ids, rows, block_expert, t * k, n_exp, r_pad, m_blocks, cfg["BLOCK_M"],
-                                m_blocks * cfg["BLOCK_M"], num_warps=4)
-        ptrs = (flat_ids, rows, block_expert)
-    return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual, ptrs, programs, common,
-                   down_tiles, fused)
+    return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
+                   (flat_ids, flat_ids, flat_ids), programs, common, down_tiles, fused)  # rows and block experts unread
 
 
 QUANT_ROWS = 16  # rows per quantising program

@@ -113,14 +113,12 @@ class LMStageConfig(EngineStageConfig):
     # native engine: KV cache blocks of block_size tokens (0 blocks: as many as the device has room for),
     # at most max_batched_tokens tokens and max_seqs sequences per step; experts by loop, grouped GEMM, or
     # triton: Triton kernels for decode-sized steps and the grouped GEMM for longer ones (GPU only);
-    # triton_sorted: Triton kernels for longer steps too, their rows grouped by expert first (not yet measured);
-    # triton_scan: triton as before session 27, each decode program finding its rows among the step's ids
-    # (triton_moe.experts' rows_table off: an A/B).
+    # triton_sorted: Triton kernels for longer steps too, their rows grouped by expert first (not yet measured).
     block_size: int = 16
     kv_blocks: int = 0
     max_batched_tokens: int = 2048
     max_seqs: int = 256
-    moe: Literal["loop", "grouped", "triton", "triton_sorted", "triton_scan"] = "loop"
+    moe: Literal["loop", "grouped", "triton", "triton_sorted"] = "loop"
     # Experts in fp8 (e4m3), scaled per output channel or per 128 x 128 tile (from a block-fp8 checkpoint: its
     # own tiles and values); off: the model's dtype (a block-fp8 checkpoint is then dequantised at load).
     fp8_experts: Literal["off", "channel", "block"] = "off"
