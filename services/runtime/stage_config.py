@@ -210,10 +210,12 @@ class ThinkerConfig(LMStageConfig):
     # where one launch behind a running replay took 0.03. Whether other executables launch faster is not measured
     # (the slow launches of later bench cells have a likelier cause, the bench's profiler): 1 (one copy) until it is.
     decode_graph_copies: int = 1
-    # Steps of up to 64 rows (decode) project q/k/v and attention's output through Triton kernels split over the
-    # reduction (services/llm/triton_linear.py), their partial sums added by the compiled code after them, where
-    # cuBLAS reads those weights at 1.8-2.6 TB/s at 32 rows. Off until measured on a GPU.
-    triton_linear: bool = False
+    # Steps of up to 64 rows (decode) project attention's output through a Triton kernel split over the reduction
+    # (services/llm/triton_linear.py; the shapes in its TILES), its partial sums added by the compiled code after it:
+    # 7.5 us a layer at 32 rows against cuBLAS's 9.8 (a split-K GEMM and its reduction). The thinker in bf16 at 32
+    # requests: 2,010 tok/s (15.90 ms a step on the GPU) against 2,006 (16.03) without it, one process each on one
+    # machine (bench/results/thinker-1xh200-bf16-b32-linear-{on,off}-c38f8f3.json).
+    triton_linear: bool = True
 
     @property
     def native_args(self) -> dict:
