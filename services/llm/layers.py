@@ -103,7 +103,8 @@ def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int
     (profile-1xh200-b32-decode-f29cb53.txt). q and k are views of it: attention takes q's strides. `few_rows`: the
     projection through triton_linear where the step is short enough."""
     n = x.shape[0]  # N = tokens of the step, all sequences
-    qk, v = triton_linear.linear(rms_norm(x, norm_w, eps), qkv_w, few_rows).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+    qkv = triton_linear.linear(rms_norm(x, norm_w, eps), qkv_w, few_rows)
+    qk, v = qkv.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
     qk_w = torch.cat([qn_w.expand(heads, head_dim), kn_w.expand(kv_heads, head_dim)])
     q, k = rotate(rms_norm(qk.reshape(n, heads + kv_heads, head_dim), qk_w, eps), cos, sin).split([heads, kv_heads], dim=1)
     v = v.reshape(n, kv_heads, head_dim)
