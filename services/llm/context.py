@@ -8,7 +8,7 @@ from dataclasses import dataclass
 class Context:
     attention: object = None  # a planned attention backend (services/llm/attention.py)
     moe_backend: str = "loop"
-    triton_linear: bool = False  # steps of few rows project q/k/v and attention's output through triton_linear
+    triton_linear: bool = False  # steps of few rows project through triton_linear where it takes the weight's shape
 
 
 _CONTEXT = Context()

@@ -75,7 +75,7 @@ class NativeThinker(OverlappedDecode):
         self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
         self.vocab, self.hidden_size = tc.vocab_size, tc.hidden_size
         self.moe = moe
-        self.triton_linear = triton_linear  # steps of up to 64 rows project q/k/v and attention's output in Triton
+        self.triton_linear = triton_linear  # steps of up to 64 rows project attention's output in Triton (triton_linear)
         self.attention_backend = pick_backend(attention, self.device, dtype)
         workspace = None
         if self.attention_backend == "flashinfer":
