@@ -11,6 +11,7 @@ caller with a dynamic row count sees one output shape per weight. Measured, only
 (TILES): q/k/v stays with cuBLAS.
 """
 
+import contextlib
 import os
 
 import torch
@@ -93,8 +94,9 @@ def partials(x: torch.Tensor, w: torch.Tensor, cfg: dict | None = None) -> torch
     # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter, whose bf16 dot is wrong
     dot = tl.float32 if INTERPRET else tl.bfloat16
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
-    _partials_kernel[grid](x, w, out, m, n, x.stride(0), w.stride(0), out.stride(0), K_SPLIT=k // split, DOT=dot,
-                           BLOCK_M=max(16, triton.next_power_of_2(m)), **cfg)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
+        _partials_kernel[grid](x, w, out, m, n, x.stride(0), w.stride(0), out.stride(0), K_SPLIT=k // split, DOT=dot,
+                               BLOCK_M=max(16, triton.next_power_of_2(m)), **cfg)
     return out
 
 
