@@ -14,7 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from services.runtime import metrics
 from services.runtime.config import MeshConfig, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_IN_IMAGE = "/app/configs/2xh200.yaml"
 
 

@@ -5,7 +5,7 @@ of what the host puts in the buffers the graphs read wrong, the codes leave tran
 
 import pytest
 
-from test_decode_host import EagerGraphs, stand_in_flashinfer
+from stand_ins import EagerGraphs, stand_in_flashinfer
 from test_talker_engine import FRAMES, cases, speak  # noqa: F401 (fixture)
 
 from services.llm import graphs

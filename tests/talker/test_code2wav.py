@@ -154,7 +154,7 @@ def test_snake_rows_kernel_in_the_interpreter(tiny_model):
     """The Triton kernel (what a GPU runs) against the arithmetic it replaces, each of its variants, and the
     whole native decoder through it against transformers."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model)], env=env, cwd=root, capture_output=True,
                           text=True, timeout=600)
