@@ -13,12 +13,11 @@ at every row count.
 import argparse
 import itertools
 import json
-import time
 
 import torch
 
 from bench import results
-from bench.graph_launch import capture
+from bench.moe import graph_ms
 from services.llm import triton_linear
 from services.model.load import load_config
 
@@ -26,14 +25,8 @@ L2_BYTES = 256 << 20  # weight copies read per graph replay: several times an H2
 
 
 def graph_us(fn, calls: int, iters: int = 20) -> float:
-    graph = capture(fn)
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - t0) / (iters * calls)
+    """Microseconds a call, `fn` making `calls` of them, replayed as a CUDA graph."""
+    return 1000 * graph_ms(fn, iters) / calls
 
 
 def shapes(model_dir: str | None) -> dict[str, tuple[int, int]]:
