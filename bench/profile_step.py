@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.stages import THINKER_SAMPLING
+from bench.stages import THINKER_SAMPLING, random_prompts
 from bench.talker import TalkerFeed
 from services.llm.sampling import SamplingParams
 from services.runtime.config import load_config
@@ -36,8 +36,8 @@ def thinker(cfg, args):
     from services.thinker.server import make_engine
 
     engine = make_engine(cfg, cfg.thinker.replicas[0].device)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [ThinkerSeq(f"p{i}", torch.randint(0, engine.vocab, (args.prompt_len,), generator=gen),
+    prompt = random_prompts(cfg, 0)
+    seqs = [ThinkerSeq(f"p{i}", prompt(i, args.prompt_len),
                        SamplingParams(max_tokens=3 * args.steps + 4, seed=i + 1, **THINKER_SAMPLING)) for i in range(args.batch)]
     for s in seqs:
         engine.add(s)
@@ -63,13 +63,13 @@ class Prefills:
         from services.thinker.server import make_engine
 
         self.engine = make_engine(cfg, cfg.thinker.replicas[0].device)
-        self.args, self.gen, self.n, self.walls = args, torch.Generator().manual_seed(0), 0, []
+        self.args, self.prompt, self.n, self.walls = args, random_prompts(cfg, 0), 0, []
 
     def step(self, _=None) -> None:
         from services.thinker.reference import ThinkerSeq
 
         a, engine = self.args, self.engine
-        seqs = [ThinkerSeq(f"r{self.n}-{i}", torch.randint(0, engine.vocab, (a.prompt_len,), generator=self.gen),
+        seqs = [ThinkerSeq(f"r{self.n}-{i}", self.prompt(i, a.prompt_len),
                            SamplingParams(max_tokens=4, seed=i + 1, **THINKER_SAMPLING)) for i in range(a.batch)]
         self.n += 1
         t0 = time.perf_counter()

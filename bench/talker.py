@@ -1,19 +1,19 @@
-"""bench.stages' talker cells: the talker engine alone, fed synthetic thinker states, its frames/s by batch and their
-split into talker / code predictor / code2wav (`python -m bench.stages --stages talker`); and the feed itself,
-which bench.profile_step's talker steps take too."""
+"""bench.stages' speech cells: the talker engine alone, fed synthetic thinker states, its frames/s by batch and their
+split into talker / code predictor / code2wav (`--stages talker`); code2wav alone by precision against float32
+(`--stages code2wav`); and the feed itself, which bench.profile_step's talker steps take too."""
 
+import math
 import time
 
 import torch
 
-from bench.hostprof import host_state, host_use
 from bench.workloads import FRAMES_PER_SECOND, ascii_prompt
-from services.llm.host import laps_per_step
-from services.llm.mrope import Layout
 from services.llm.sampling import SamplingParams
+from services.model.positions import Layout
+from services.model.spec import OmniSpec
 from services.runtime import heap
 from services.runtime.config import MeshConfig
-from services.runtime.heap import Pauses
+from services.runtime.protoconv import DTYPES
 
 TALKER_SAMPLING = dict(temperature=0.9, top_p=1.0, top_k=50, repetition_penalty=1.05, ignore_eos=True)
 
@@ -25,7 +25,7 @@ class TalkerFeed:
     def __init__(self, engine, cfg: MeshConfig, seed: int, prompt_bytes: int):
         from transformers import AutoTokenizer
 
-        self.engine, self.spec = engine, engine.spec
+        self.engine, self.spec = engine, OmniSpec.load(cfg.model.dir)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir)
         ids = tokenizer.apply_chat_template([{"role": "user", "content": ascii_prompt(seed, prompt_bytes)}],
                                             add_generation_prompt=True, tokenize=True)
@@ -49,110 +49,109 @@ class TalkerFeed:
         return seqs
 
 
-def step_spread(walls: list[float]) -> dict:
-    """Decode steps' wall times: their median, 90th percentile and slowest in ms, and which steps were slowest
-    (a one-off cost inside the run, a compile or an allocation, shows as a few long steps; a slow host as a
-    slow median)."""
-    if not walls:
-        return {}
-    ordered = sorted(walls)
-    slowest = sorted(range(len(walls)), key=walls.__getitem__)[-3:][::-1]
-    return {"step_ms_p50": 1000 * ordered[len(ordered) // 2], "step_ms_p90": 1000 * ordered[(9 * len(ordered)) // 10],
-            "step_ms_max": 1000 * ordered[-1], "slowest_steps": slowest}
-
-
 def talker_cells(cfg: MeshConfig, device: str, args):
-    from bench.stages import timed
+    from bench.stages import host_split, laps, timed
     from services.talker.server import make_engine
 
-    engine = make_engine(cfg, device)  # the config's engine: reference or native
-    dev = engine.device
-    feed = TalkerFeed(engine, cfg, args.seed, args.talker_prompt_bytes)
-    batch = feed.batch
+    engine = make_engine(cfg, device)
+    dev, feed = engine.device, TalkerFeed(engine, cfg, args.seed, args.talker_prompt_bytes)
 
-    def made(seqs) -> int:
-        """Frames read, and launched with their codes not yet read (the native talker's, overlapped)."""
-        return sum(len(s.frames) + s.frames_unread for s in seqs)
+    def ready(seqs) -> list:
+        return [s for s in seqs if engine.ready(s)]
 
-    def run(seqs) -> tuple[float, float, int, int, float]:
-        """(prefill seconds: steps until every sequence has its first frame (its prompt computed: more than one
-        step's tokens for many requests), drained; decode seconds: every later step back to back, the device
-        drained once at the end; decode steps; frames those steps made). No drain between steps: it would undo
-        what overlaps, a frame step's launch with the previous one's device work (talker.overlap) and code2wav
-        on its own stream; seconds of those steps the host spent blocked on the device)."""
-        def prompts():
-            while (ready := [s for s in seqs if engine.ready(s)]) and not all(s.done or made([s]) for s in seqs):
-                engine.step(ready)
+    def run(seqs) -> dict:
+        """Steps until every sequence has its first frame (its prompt computed: more than one step's tokens for
+        many requests), drained; then every later step back to back, the device drained once at the end (a drain
+        between steps would undo what overlaps: a frame step's launch with the one before, code2wav on its own
+        stream). The decode steps' figures."""
+        def prompts():  # frames launched but not read yet count (an overlapped step's)
+            while (now := ready(seqs)) and not all(s.done or s.frames or s.frames_unread for s in seqs):
+                engine.step(now)
 
         prefill_s, _ = timed(prompts, dev)
-        before, steps = made(seqs), 0
-        walls.clear()
+        before, walls, waited, split = sum(len(s.frames) for s in seqs), [], engine.waited_s, laps(engine)
 
         def decode():
-            nonlocal steps
-            state, cpu_waited = host_state(), engine.laps.cpu_waited
             t = time.perf_counter()
-            while ready := [s for s in seqs if engine.ready(s)]:
-                engine.step(ready)
-                steps += 1
+            while now := ready(seqs):
+                engine.step(now)
                 walls.append(-t + (t := time.perf_counter()))
-            # the host thread's CPU ms a step outside its waits, involuntary switches a step, hypervisor steal
-            run_stats.update(host_use(state, host_state(), engine.laps.cpu_waited - cpu_waited, steps))
 
-        waited, laps = engine.waited_s, dict(engine.laps.seconds)
-        with Pauses() as pauses:
-            decode_s, _ = timed(decode, dev)
-        run_stats.update(gc_passes=pauses.count, gc_ms=pauses.total_ms, gc_max_ms=pauses.max_ms,
-                         # the host's ms a step by phase ("wait": blocked on the device)
-                         host_split_ms=laps_per_step(laps, engine.laps.seconds, steps))
-        return prefill_s, decode_s, steps, sum(len(s.frames) for s in seqs) - before, engine.waited_s - waited
+        seconds, _ = timed(decode, dev)
+        steps, decoded = max(len(walls), 1), sum(len(s.frames) for s in seqs) - before
+        walls.sort()
+        return {"decode_frames": decoded, "seconds": seconds, "frames_per_s": decoded / seconds,
+                "audio_s_per_s": decoded / FRAMES_PER_SECOND / seconds, "prefill_ms": 1000 * prefill_s, "steps": steps,
+                "step_ms": 1000 * seconds / steps, "wait_ms_per_step": 1000 * (engine.waited_s - waited) / steps,
+                # a median hides a one-off stall (a compile, an allocation, the collector): the slowest step beside it
+                "step_ms_p50": 1000 * walls[len(walls) // 2] if walls else None,
+                "step_ms_max": 1000 * walls[-1] if walls else None, **host_split(engine, split, steps)}
 
-    walls: list[float] = []  # each decode step's wall seconds, host side (the last run's)
-    run_stats: dict = {}  # the last run's decode steps: the collector's passes, the host's phases
-    stream = getattr(engine, "vocode_stream", None)
-
-    def use(mode: str) -> None:
-        """The native engine switched to `mode` (both switches are read per step)."""
-        if mode == "config":
-            return
-        if not hasattr(engine, "overlap"):
-            raise SystemExit(f"--talker-modes {mode}: the {cfg.talker.engine} talker has no such switches")
-        base, inline = mode.removesuffix("-c2w-inline"), mode.endswith("-c2w-inline")
-        base, graph_draw = base.removesuffix("-graph-draw"), base.endswith("-graph-draw")
-        if base not in ("plain", "overlap"):
-            raise SystemExit(f"unknown talker mode {mode!r}")
-        if graph_draw and not getattr(engine, "draws_captured", False):
-            raise SystemExit(f"--talker-modes {mode}: the talker's graphs hold no draw (--set talker.graph_sampling=true)")
-        engine.overlap = base == "overlap"
-        engine.vocode_stream = None if inline else stream
-        engine.graph_sampling = graph_draw
-
-    warm = batch(1, 3)
+    warm = feed.batch(1, 3)
     run(warm)
     for s in warm:
         engine.free(s)
     if args.gc_freeze:
         heap.freeze()  # as a stage server does before it serves
-    for b, mode in [(b, m) for b in args.batches for m in args.talker_modes.split(",")]:
-        use(mode)
-        seqs = batch(b, args.frames)
-        overlapped = getattr(engine, "overlapped", 0)
-        prefill_s, decode_s, steps, decoded, waited = run(seqs)
-        overlapped = getattr(engine, "overlapped", 0) - overlapped
-        wait_ms = 1000 * waited / max(steps, 1)
-        frames = sum(len(s.frames) for s in seqs)
+    for b in args.batches:
+        seqs = feed.batch(b, args.frames)
+        cell = run(seqs)
         split = {part: sum(s.seconds[part] for s in seqs) for part in ("talker", "code_predictor", "code2wav")}
         for s in seqs:
             engine.free(s)
         # frames_per_s: the frames the decode steps made, over their time (the prompts' steps and first frames apart)
-        yield {"stage": "talker", "mode": "decode" if mode == "config" else f"decode {mode}", "batch": b, "frames": frames,
-               "decode_frames": decoded, "seconds": decode_s,
-               "frames_per_s": decoded / decode_s, "audio_s_per_s": decoded / FRAMES_PER_SECOND / decode_s,
-               "prefill_ms": 1000 * prefill_s, "steps": steps, "overlapped_steps": overlapped, "step_ms": 1000 * decode_s / max(steps, 1),
-               # of a step, the host's time waiting on the device (a frame step's codes, code2wav's audio, a plan's
-               # copy) and the rest (on a GPU: the host's own work, which the device waits for where the wait is ~0)
-               **({"wait_ms_per_step": wait_ms, "host_ms_per_step": 1000 * decode_s / max(steps, 1) - wait_ms}
-                  if dev.type == "cuda" else {}),
-               **step_spread(walls), **run_stats,
-               **{f"{k}_s": v for k, v in split.items()},
+        yield {"stage": "talker", "mode": "decode", "batch": b, "frames": sum(len(s.frames) for s in seqs), **cell,
                **{f"{k}_share": v / max(sum(split.values()), 1e-12) for k, v in split.items()}}
+
+
+def code2wav_cells(cfg: MeshConfig, device: str, args):
+    """code2wav alone in float32 and in each of --code2wav-dtypes (the same seeded weights, rounded), on the same
+    random codes: chunks of each of --code2wav-frames new frames after --code2wav-context frames of left context,
+    for each of --batches, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it); the samples
+    after the left context (what the talker keeps) held to float32's: relative L2 and SNR in dB. NAME+native runs
+    the talker's own decoder (services/talker/code2wav.py: from the first row the kept samples need)."""
+    from bench.stages import timed
+    from services.model.load import load_component, load_config as model_config
+    from services.talker.code2wav import NativeCode2Wav
+
+    dev = torch.device(device)
+    dtypes = ["float32"] + [d for d in args.code2wav_dtypes.split(",") if d and d != "float32"]
+
+    def model_for(name: str):
+        dtype, *mods = name.split("+")
+        if dtype not in DTYPES or not set(mods) <= {"native"}:
+            raise SystemExit(f"--code2wav-dtypes: unknown precision {name!r} (a precision, then +native)")
+        model = load_component("code2wav", cfg.model.dir, dev, DTYPES[dtype], cfg.model.load_format, cfg.model.seed)
+        model.requires_grad_(False)
+        return NativeCode2Wav(model) if mods else model
+
+    models = {d: model_for(d) for d in dtypes}
+    c2w = model_config(cfg.model.dir).code2wav_config
+    samples = int(models["float32"].total_upsample)
+    gen = torch.Generator().manual_seed(args.seed)
+    for new in args.code2wav_frames:
+        frames, skip = new + args.code2wav_context, args.code2wav_context * samples
+        for b in args.batches:
+            codes = torch.randint(0, c2w.codebook_size, (b, c2w.num_quantizers, frames), generator=gen).to(dev)
+            ref = None
+            for d in dtypes:
+                model = models[d]
+                start = model.first_row(skip) if isinstance(model, NativeCode2Wav) else 0
+                run = (lambda model=model, start=start: model(codes, start)) if start else (lambda model=model: model(codes))
+                with torch.no_grad():
+                    if dev.type == "cuda":
+                        from bench.moe import capture
+
+                        graph, out = capture(run), run()
+                        call = lambda graph=graph: graph.replay()  # noqa: E731
+                    else:
+                        call, out = run, run()
+                    # a native decoder starts at row `start`: its output begins that many rows' samples later
+                    wav = out[..., skip - start * getattr(model, "row_samples", 0):].float().clone()
+                    reps = max(1, args.decode_steps)
+                    seconds, _ = timed(lambda: [call() for _ in range(reps)], dev)
+                ref = wav if d == "float32" else ref
+                err = ((wav - ref).norm() / ref.norm()).item()
+                yield {"stage": "code2wav", "mode": d, "item": f"{frames} frames", "batch": b, "step_ms": 1000 * seconds / reps,
+                       "audio_s_per_s": b * new / FRAMES_PER_SECOND * reps / seconds, "rel_l2": err,
+                       "snr_db": None if err == 0 else -20 * math.log10(err)}
