@@ -2,17 +2,21 @@
 
 One asyncio loop with grpc.aio; requests are built before the clock starts, and per message the loop
 only reads a timestamp and a few lengths, so the client stays cheap (its CPU time is reported per cell).
+Each stage process's CPU over a cell comes from the `process_cpu_seconds_total` its metrics endpoint exports
+(StageCpu): a Python process out of its one core shows there before any GPU is the limit.
 """
 
 import asyncio
 import itertools
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
 
 from bench.records import RequestRecord
 from omni.v1 import omni_pb2, omni_pb2_grpc
+from services.runtime.config import MeshConfig
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 1 << 30),
@@ -29,7 +33,7 @@ class LoopResult:
     client_cpu_s: float  # this process's CPU time over the loop
     messages: int  # responses read
     out_of_time: bool = False
-    stage_cpu: dict = field(default_factory=dict)  # stage process -> its CPU seconds per wall second (bench.stagecpu)
+    stage_cpu: dict = field(default_factory=dict)  # stage process -> its CPU seconds per wall second (StageCpu)
 
 
 class MeshClient:
@@ -121,3 +125,31 @@ class MeshClient:
                 task.cancel()
         end = max((r.end for r in records), default=time.perf_counter())
         return LoopResult(records, end - t0, time.process_time() - cpu0, self.messages, out_of_time)
+
+
+class StageCpu:
+    """The mesh's metrics endpoints; `read()` gives each reachable one's CPU seconds so far."""
+
+    def __init__(self, cfg: MeshConfig, timeout: float = 2.0):
+        self.timeout = timeout
+        self.urls = {f"{stage}-{i}": f"http://{r.host}:{r.metrics_port}/metrics"
+                     for stage in cfg.STAGES for i, r in enumerate(cfg.replicas(stage)) if r.metrics_port}
+
+    def read(self) -> dict[str, float]:
+        seconds = {}
+        for name, url in list(self.urls.items()):
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout) as resp:
+                    line = next((x for x in resp.read().decode().splitlines() if x.startswith("process_cpu_seconds_total ")), None)
+            except OSError:  # not reachable from here (another host's name), or busy past the timeout: left out this time
+                continue
+            if line is None:  # no process collector (not Linux): not asked again
+                del self.urls[name]
+            else:
+                seconds[name] = float(line.split()[1])
+        return seconds
+
+    @staticmethod
+    def fractions(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+        """CPU seconds per wall second (1.0: one core busy the whole time) of each process read both times."""
+        return {k: round((after[k] - before[k]) / max(seconds, 1e-9), 3) for k in after if k in before}

@@ -11,7 +11,31 @@ import argparse
 import copy
 
 from bench import results
-from bench.run import resumed
+
+# What every part of a resumed sweep must share with the first: the same engine, deployment and overrides, lengths
+# and inputs, on the same code and the same kind of machine.
+SAME_ACROSS_PARTS = ("max_tokens", "frames", "prompt_bytes", "image_size", "clip_seconds", "distinct_inputs", "seed",
+                     "min_requests", "requests_per_slot", "warmup_rounds", "warmup_length", "engine")
+
+
+def resumed(prior: dict, fresh: dict) -> dict:
+    """`prior` (a file an earlier part wrote) carried on by the part `fresh` describes: its cells kept, the
+    earlier parts' run records kept under `parts`. Refuses a part that would not measure the same thing."""
+    differs = [k for k in SAME_ACROSS_PARTS if prior["run"]["args"].get(k) != fresh["run"]["args"].get(k)]
+    if prior["engine"] != fresh["engine"]:
+        differs.append("engine")
+    if prior["config"]["content"] != fresh["config"]["content"]:
+        differs.append("config (file or --set overrides)")
+    if prior.get("source_digest") != fresh.get("source_digest"):
+        differs.append("code (source_digest)")
+    if [g["name"] for g in prior["machine"].get("gpus", [])] != [g["name"] for g in fresh["machine"].get("gpus", [])]:
+        differs.append("GPUs")
+    if differs:
+        raise SystemExit(f"cannot resume {fresh['run']['args']['out']}: this part differs from the file's in "
+                         f"{', '.join(dict.fromkeys(differs))}; write a new file instead")
+    prior["parts"] = prior.get("parts", []) + [prior["run"]]
+    prior["run"] = fresh["run"]
+    return prior
 
 
 def merge(files: list[dict]) -> dict:

@@ -77,7 +77,7 @@ def first_output_split(group: str, cells: list[dict]) -> list[str]:
 
 
 def stage_cpu(group: str, cells: list[dict]) -> list[str]:
-    """A table of each stage process's CPU over the cell (bench.stagecpu), as a share of one core."""
+    """A table of each stage process's CPU over the cell (bench.loadgen.StageCpu), as a share of one core."""
     names = sorted({k for c in cells for k in c.get("stage_cpu_frac") or {}})
     if not names:
         return []

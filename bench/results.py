@@ -82,8 +82,6 @@ def machine() -> dict:
         "hostname": socket.gethostname(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "grpcio": grpc.__version__, "gpus": gpus(),
-        # Run under scripts/mps: its CUDA processes asked an MPS server for their contexts (scripts/mps logs how many got one).
-        **({"mps_pipe": os.environ["CUDA_MPS_PIPE_DIRECTORY"]} if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else {}),
     }
 
 

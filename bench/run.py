@@ -19,8 +19,9 @@ from pathlib import Path
 
 import grpc
 
-from bench import results, stagecpu
-from bench.loadgen import LoopResult, MeshClient
+from bench import results
+from bench.loadgen import LoopResult, MeshClient, StageCpu
+from bench.merge import resumed
 from bench.records import summarize
 from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select
 from services.runtime.config import REPO_ROOT, load_config, read_overridden, write_overridden
@@ -130,7 +131,7 @@ class MeshRunner:
     note = ""
     failure_blocks_larger = False  # a failure at one concurrency says nothing about the next
 
-    def __init__(self, client: MeshClient, media: MediaSpec, seed: int, cpu: stagecpu.StageCpu | None = None):
+    def __init__(self, client: MeshClient, media: MediaSpec, seed: int, cpu: StageCpu | None = None):
         self.client, self.media, self.seed, self.cpu = client, media, seed, cpu
 
     async def __call__(self, w: Workload, indices: list[int], concurrency: int, deadline: float | None) -> LoopResult:
@@ -138,7 +139,7 @@ class MeshRunner:
         before = self.cpu.read() if self.cpu else {}
         loop = await self.client.closed_loop(requests, concurrency, deadline)
         if self.cpu:
-            loop.stage_cpu = stagecpu.fractions(before, self.cpu.read(), loop.duration)
+            loop.stage_cpu = self.cpu.fractions(before, self.cpu.read(), loop.duration)
         return loop
 
 
@@ -220,7 +221,7 @@ class Sweep:
                 failed_at[w.name] = min(b, failed_at.get(w.name, b))
             self.add(cell)
 
-    async def mesh(self, address: str, stage_died, wait_ready: float = 0.0, cpu: stagecpu.StageCpu | None = None) -> None:
+    async def mesh(self, address: str, stage_died, wait_ready: float = 0.0, cpu: StageCpu | None = None) -> None:
         client = MeshClient(address, self.args.channels, self.args.request_timeout)
         try:
             deadline = time.perf_counter() + wait_ready
@@ -237,32 +238,6 @@ class Sweep:
             await self.run(MeshRunner(client, self.media, self.args.seed, cpu), stage_died)
         finally:
             await client.close()
-
-
-# What every part of a resumed sweep must share with the first: the same engine, deployment and overrides, lengths
-# and inputs, on the same code and the same kind of machine.
-SAME_ACROSS_PARTS = ("max_tokens", "frames", "prompt_bytes", "image_size", "clip_seconds", "distinct_inputs", "seed",
-                     "min_requests", "requests_per_slot", "warmup_rounds", "warmup_length", "engine")
-
-
-def resumed(prior: dict, fresh: dict) -> dict:
-    """`prior` (a file an earlier part wrote) carried on by the part `fresh` describes: its cells kept, the
-    earlier parts' run records kept under `parts`. Refuses a part that would not measure the same thing."""
-    differs = [k for k in SAME_ACROSS_PARTS if prior["run"]["args"].get(k) != fresh["run"]["args"].get(k)]
-    if prior["engine"] != fresh["engine"]:
-        differs.append("engine")
-    if prior["config"]["content"] != fresh["config"]["content"]:
-        differs.append("config (file or --set overrides)")
-    if prior.get("source_digest") != fresh.get("source_digest"):
-        differs.append("code (source_digest)")
-    if [g["name"] for g in prior["machine"].get("gpus", [])] != [g["name"] for g in fresh["machine"].get("gpus", [])]:
-        differs.append("GPUs")
-    if differs:
-        raise SystemExit(f"cannot resume {fresh['run']['args']['out']}: this part differs from the file's in "
-                         f"{', '.join(dict.fromkeys(differs))}; write a new file instead")
-    prior["parts"] = prior.get("parts", []) + [prior["run"]]
-    prior["run"] = fresh["run"]
-    return prior
 
 
 def wait_serving(cfg, seconds: float, poll_s: float = 1.0) -> None:
@@ -358,7 +333,7 @@ def main(argv=None) -> dict:
         print(f"mesh of {args.config} healthy after {run['launch_s']:.0f}s", flush=True)
 
         try:
-            asyncio.run(sweep.mesh(mesh.gateway_address, lambda w: dead_stages(mesh.procs, w), cpu=stagecpu.StageCpu(cfg)))
+            asyncio.run(sweep.mesh(mesh.gateway_address, lambda w: dead_stages(mesh.procs, w), cpu=StageCpu(cfg)))
         finally:
             run["stage_exit_codes"] = mesh.stop()
     else:  # a mesh started apart (services.launch with the same --config and --set), perhaps still starting
@@ -366,7 +341,7 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             wait_serving(cfg, args.wait_ready)
             run["wait_ready_s"] = time.perf_counter() - t0
-        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda w: "", args.wait_ready, stagecpu.StageCpu(cfg)))
+        asyncio.run(sweep.mesh(args.address or cfg.gateway.replicas[0].address, lambda w: "", args.wait_ready, StageCpu(cfg)))
     run.update(finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), wall_s=time.perf_counter() - started)
     results.write(result, args.out)
     print(f"wrote {args.out} ({len(result['cells'])} cells, {run['wall_s']:.0f}s)", flush=True)

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from bench import ceiling, compare, report, results
+from bench import compare, report, results
 from bench import run as bench_run
 from bench.workloads import WORKLOADS, MediaSpec, ascii_prompt, grpc_request, select
 from conftest import write_config
@@ -182,13 +182,6 @@ def test_workload_inputs_are_deterministic(tiny_model):
     assert all(len(tokenizer(ascii_prompt(seed, 128))["input_ids"]) == 128 for seed in range(20))
 
 
-def test_client_ceiling():
-    cells = ceiling.main(["--concurrency", "1,4", "--tokens", "16", "--chunks", "2", "--server-procs", "1"])
-    assert [c["concurrency"] for c in cells] == [1, 4]
-    assert all(c["failures"] == 0 and c["msgs_per_s"] > 0 and c["client_us_per_msg"] > 0 for c in cells)
-    assert cells[1]["output_tok_per_s"] == pytest.approx(cells[1]["msgs_per_s"] * 16 / 19, rel=0.05)
-
-
 def test_a_sweep_runs_in_parts(bench_dir):
     """--resume adds the cells a file lacks and keeps the earlier part's; a part that measures something else
     (here: other lengths) is refused and the file left as it was."""
@@ -293,11 +286,3 @@ def test_a_dead_stage_skips_only_the_cells_that_need_it():
     assert [n for n, w in WORKLOADS.items() if dead_stages(procs, w)] == ["i2t", "s2t", "t2s", "i2s", "s2s"]
     procs["thinker-0"] = proc(1)
     assert all(dead_stages(procs, w) for w in WORKLOADS.values())
-
-
-def test_a_result_says_when_its_run_asked_mps_for_contexts(monkeypatch):
-    """scripts/mps exports the MPS pipe folder to what it runs; results made under it name it."""
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    assert "mps_pipe" not in results.machine()
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/omni-mps/pipe")
-    assert results.machine()["mps_pipe"] == "/tmp/omni-mps/pipe"
