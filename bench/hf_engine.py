@@ -1,12 +1,11 @@
 """The peer: transformers' own Qwen3-Omni `generate()`, in this process, on the same inputs and lengths.
 
-A cell at concurrency B runs its requests in batches of B (left padding), one batch after another.
-Weights: `load_format: random` builds the model on the device and draws exactly the mesh's random
-weights for the same seed (`init_full_model_`); otherwise the checkpoint is loaded.
-Token times come from a streamer on the thinker (every row of a batch gets its token at the same step);
-speech comes out of `generate()` whole, so time to first audio is the batch's latency.
+A cell at concurrency B runs its requests in batches of B (left padding), one batch after another. Weights:
+`load_format: random` draws exactly the mesh's random weights for the same seed (`init_full_model_`). Token times
+come from a streamer on the thinker; speech comes out of `generate()` whole (time to first audio: the batch's).
 """
 
+import gc
 import io
 import math
 import re
@@ -39,30 +38,36 @@ class StepTimes(BaseStreamer):
         pass
 
 
-def sampling_kwargs(d, prefix: str = "") -> dict:
-    """generate() arguments for the deployment's sampling defaults (services.runtime.stage_config.SamplingDefaults)."""
-    kw = {"do_sample": d.temperature > 0, "temperature": d.temperature or 1.0, "top_p": d.top_p, "top_k": d.top_k,
-          "repetition_penalty": d.repetition_penalty}
+def sampling_kwargs(d: dict, prefix: str = "") -> dict:
+    """generate() arguments for a request that sets no sampling: the model's defaults (OmniSpec.*_sampling), as the mesh's."""
+    kw = {"do_sample": d["temperature"] > 0, "temperature": d["temperature"] or 1.0, "top_p": d["top_p"], "top_k": d["top_k"],
+          "repetition_penalty": d["repetition_penalty"]}
     return {prefix + k: v for k, v in kw.items()}
 
 
-def build_model(cfg: MeshConfig, device: str):
+def on_device(cls, config, device, dtype: torch.dtype):
+    """transformers' `cls(config)` built on the device itself in `dtype` (not meta: that would leave buffers
+    uninitialised), for the mesh's random weights to be drawn into."""
     from transformers import logging
+
+    logging.set_verbosity_error()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def build_model(cfg: MeshConfig, device: str):
     from transformers.models.qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
 
     from services.model.load import init_full_model_, load_config
 
-    logging.set_verbosity_error()
     dtype = DTYPES[cfg.model.dtype]
     if cfg.model.load_format == "random":
-        # Built on the device itself (not meta: that would leave buffers uninitialised), then the mesh's weights drawn.
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = Qwen3OmniMoeForConditionalGeneration(load_config(cfg.model.dir))
-        finally:
-            torch.set_default_dtype(default)
+        model = on_device(Qwen3OmniMoeForConditionalGeneration, load_config(cfg.model.dir), device, dtype)
         init_full_model_(model, cfg.model.seed)
     else:
         model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(cfg.model.dir, dtype=dtype).to(device)
@@ -90,7 +95,7 @@ class HfEngine:
     def settings(self) -> dict:
         return {"device": str(self.device), "dtype": self.cfg.model.dtype, "load_format": self.cfg.model.load_format,
                 "seed": self.cfg.model.seed, "attn_implementation": self.model.config._attn_implementation,
-                "thinker_sampling": vars(self.cfg.gateway.thinker), "talker_sampling": vars(self.cfg.gateway.talker),
+                "thinker_sampling": self.spec.thinker_sampling, "talker_sampling": self.spec.talker_sampling,
                 "voice": self.spec.default_voice}
 
     def inputs(self, w: Workload, indices: list[int]) -> dict:
@@ -133,16 +138,16 @@ class HfEngine:
         if w.speech:
             seqs, wavs = self.model.generate(
                 **kw, speaker=self.spec.default_voice, thinker_max_new_tokens=w.max_tokens, thinker_min_new_tokens=w.max_tokens,
-                thinker_eos_token_id=self.eos, thinker_streamer=timer, **sampling_kwargs(self.cfg.gateway.thinker, "thinker_"),
+                thinker_eos_token_id=self.eos, thinker_streamer=timer, **sampling_kwargs(self.spec.thinker_sampling, "thinker_"),
                 # one more step than frames: the talker's last step only samples the code that would follow
                 talker_max_new_tokens=w.frames + 1, talker_min_new_tokens=w.frames + 1,
-                **sampling_kwargs(self.cfg.gateway.talker, "talker_"),
+                **sampling_kwargs(self.spec.talker_sampling, "talker_"),
             )
             samples = [int(x.shape[-1]) for x in (wavs if isinstance(wavs, list) else [wavs])]
         else:
             seqs = self.model.thinker.generate(
                 **kw, max_new_tokens=w.max_tokens, min_new_tokens=w.max_tokens, eos_token_id=self.eos, streamer=timer,
-                **sampling_kwargs(self.cfg.gateway.thinker),
+                **sampling_kwargs(self.spec.thinker_sampling),
             )
             samples = [0] * len(indices)
         if self.device.type == "cuda":
@@ -179,15 +184,9 @@ class HfEngine:
                 now = time.perf_counter()
                 code = "RESOURCE_EXHAUSTED" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
                 records += [RequestRecord(index=i, start=t0, end=now, error=code, detail=str(exc)[:500]) for i in indices[at:]]
-                release_memory()
+                gc.collect()
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
                 break
             duration += time.perf_counter() - t0
         return LoopResult(records, duration, client_cpu_s=0.0, messages=0, out_of_time=out_of_time)
 
-
-def release_memory() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
