@@ -1,18 +1,11 @@
-"""Where a decode step's time goes: cProfile of the host side and torch.profiler's view of both sides, for
-one batch size, on the config's engine (overrides as in bench.stages): the thinker's steps at a prompt
-length, or the talker's frame steps (talker, code predictor, code2wav) fed synthetic thinker states.
+"""Where a step's time goes: cProfile of the host and torch.profiler's view of both sides, for one batch size on
+the config's engine: the thinker's decode steps at a prompt length, the talker's frame steps (fed synthetic thinker
+states), or thinker-prefill (each step `batch` fresh requests taken to their first token, its wall time printed).
+On a GPU also the device's timeline: each stream's busy time, and the time anything ran (the rest it waited on the
+host); with --trace, the chrome trace.
 
-    python -m bench.profile_step --config configs/bench-1xh200.yaml --set thinker.engine=native --batch 64
-    python -m bench.profile_step --config configs/bench-1xh200.yaml --stage talker --set talker.engine=native --batch 32
-    python -m bench.profile_step --config configs/bench-1xh200.yaml --stage thinker-prefill --set thinker.engine=native \
-        --batch 1 --prompt-len 40
-
-thinker-prefill: each profiled step is `batch` fresh requests of `prompt-len` tokens taken to their first
-token (the prefill a request's time to first token waits for), its wall time printed per round.
-
-On a GPU, also the device's timeline over the profiled steps: per stream, its kernels' and copies' busy time and
-span, and across streams the time anything ran, so what the device spent idle (waiting on the host) and what ran
-side by side (code2wav's stream beside the frame loop's) show; with --trace, the whole chrome trace too.
+    python -m bench.profile_step --config configs/bench-1xh200-mesh.yaml --stage thinker --batch 32 --steps 8
+    python -m bench.profile_step --config configs/bench-1xh200-mesh.yaml --stage talker --batch 32 --rows 45
 """
 
 import argparse
@@ -30,63 +23,44 @@ from services.llm.sampling import SamplingParams
 from services.runtime.config import load_config
 
 
-def thinker(cfg, args):
-    """The thinker's engine and `batch` requests past their prompts."""
-    from services.thinker.reference import ThinkerSeq
+def thinker(cfg, args, walls: list):
+    """The thinker's engine and its step: `batch` requests past their prompts, a decode step of them each call; or,
+    for thinker-prefill, `batch` fresh requests taken to their first token each call, then freed."""
+    from services.thinker.seq import ThinkerSeq
     from services.thinker.server import make_engine
 
-    engine = make_engine(cfg, cfg.thinker.replicas[0].device)
-    prompt = random_prompts(cfg, 0)
-    seqs = [ThinkerSeq(f"p{i}", prompt(i, args.prompt_len),
-                       SamplingParams(max_tokens=3 * args.steps + 4, seed=i + 1, **THINKER_SAMPLING)) for i in range(args.batch)]
-    for s in seqs:
-        engine.add(s)
-    while any(not s.generated for s in seqs):
-        engine.step(seqs)
-    return engine, seqs
+    engine, prompt = make_engine(cfg, cfg.replicas("thinker")[0].device), random_prompts(cfg, 0)
 
-
-def talker(cfg, args):
-    """The talker's engine and `batch` speech requests past their prompts, with frames for every step to come."""
-    from services.talker.server import make_engine
-
-    engine = make_engine(cfg, cfg.talker.replicas[0].device)
-    seqs = TalkerFeed(engine, cfg, 0, 32).batch(args.batch, 3 * args.steps + 4)
-    engine.step(ready(engine, seqs))  # every prompt
-    return engine, seqs
-
-
-class Prefills:
-    """thinker-prefill's step: fresh requests each time, stepped to their first token, then freed."""
-
-    def __init__(self, cfg, args):
-        from services.thinker.server import make_engine
-
-        self.engine = make_engine(cfg, cfg.thinker.replicas[0].device)
-        self.args, self.prompt, self.n, self.walls = args, random_prompts(cfg, 0), 0, []
-
-    def step(self, _=None) -> None:
-        from services.thinker.reference import ThinkerSeq
-
-        a, engine = self.args, self.engine
-        seqs = [ThinkerSeq(f"r{self.n}-{i}", self.prompt(i, a.prompt_len),
-                           SamplingParams(max_tokens=4, seed=i + 1, **THINKER_SAMPLING)) for i in range(a.batch)]
-        self.n += 1
-        t0 = time.perf_counter()
+    def batch(tokens: int) -> list:
+        seqs = [ThinkerSeq(f"p{len(walls)}-{i}", prompt(i, args.prompt_len),
+                           SamplingParams(max_tokens=tokens, seed=i + 1, **THINKER_SAMPLING)) for i in range(args.batch)]
         for s in seqs:
             engine.add(s)
         while any(not s.generated for s in seqs):
             engine.step([s for s in seqs if engine.ready(s)])
-        self.walls.append(time.perf_counter() - t0)
+        return seqs
+
+    def prefill():
+        t0 = time.perf_counter()
+        seqs = batch(4)
+        walls.append(time.perf_counter() - t0)
         for s in seqs:
             engine.free(s)
 
-    def ready(self, _):
-        return None
+    if args.stage == "thinker-prefill":
+        return engine, prefill
+    seqs = batch(3 * args.steps + 4)
+    return engine, lambda: engine.step(seqs)
 
 
-def ready(engine, seqs) -> list:
-    return [s for s in seqs if engine.ready(s)]
+def talker(cfg, args, walls: list):
+    """The talker's engine and its frame step over `batch` speech requests past their prompts."""
+    from services.talker.server import make_engine
+
+    engine = make_engine(cfg, cfg.replicas("talker")[0].device)
+    seqs = TalkerFeed(engine, cfg, 0, 32).batch(args.batch, 3 * args.steps + 4)
+    engine.step([s for s in seqs if engine.ready(s)])  # every prompt
+    return engine, lambda: engine.step([s for s in seqs if engine.ready(s)])
 
 
 def timeline(spans: list[tuple[int, int, int]]) -> dict:
@@ -130,24 +104,19 @@ def main(argv=None):
     p.add_argument("--sort", default="tottime", help="the host profile's order: tottime, or cumulative (callers with callees)")
     p.add_argument("--trace", help="also write the profiled steps' chrome trace here (a GPU's timeline, kernel by kernel)")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.set)
-    if args.stage == "thinker-prefill":
-        engine = Prefills(cfg, args)
-        seqs = []
-    else:
-        engine, seqs = (talker if args.stage == "talker" else thinker)(cfg, args)
+    walls: list[float] = []  # thinker-prefill's rounds
+    engine, step = (talker if args.stage == "talker" else thinker)(load_config(args.config, args.set), args, walls)
     for _ in range(args.steps):  # warm
-        engine.step(ready(engine, seqs))
+        step()
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.steps):
-        engine.step(ready(engine, seqs))
+        step()
     prof.disable()
-    if args.stage == "thinker-prefill":
-        walls = engine.walls[args.steps:]
+    if walls:
         print(f"prefill of {args.batch} x {args.prompt_len} tokens to the first token: p50 "
-              f"{statistics.median(walls) * 1e3:.1f} ms over {len(walls)} rounds (under cProfile)")
+              f"{statistics.median(walls[args.steps:]) * 1e3:.1f} ms over {args.steps} rounds (under cProfile)")
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats(args.sort).print_stats(args.rows)
     print(out.getvalue())
@@ -156,7 +125,7 @@ def main(argv=None):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as tp:
         for _ in range(args.steps):
-            engine.step(ready(engine, seqs))
+            step()
     print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if torch.cuda.is_available():
         print(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))

@@ -1,13 +1,11 @@
-"""Stage benchmarks: each engine in this process, without gRPC, so its work is measured alone.
+"""Stage benchmarks: the config's engines in this process, without gRPC (`--set section.key=value` for an A/B).
 
     python -m bench.stages --config configs/bench-1xh200-mesh.yaml --stages thinker --out bench/results/NAME.json
 
-thinker: prefill and decode tok/s by batch (sequences per `step()` call) and prompt length, step time and the
-  host's ms a step by phase (the engine's laps); hf-thinker: the same cells from transformers' batched generate();
-talker: frames/s by batch, fed synthetic thinker states; code2wav: alone, by precision (bench/talker.py);
-encoder: items/s for an image and a clip; preprocess: the same items decoded on the CPU.
-The engines are the config's (`--set section.key=value` for an A/B of one setting); each stage runs on its first
-replica's device unless --device says otherwise.
+thinker: prefill and decode tok/s by batch and prompt length, step time and the host's ms a step by phase (the
+engine's laps); hf-thinker: the same from transformers' batched generate(); talker: frames/s by batch, fed
+synthetic thinker states; code2wav: alone, by precision (bench/talker.py); encoder: items/s for an image and a
+clip; preprocess: the same items decoded on the CPU. Each stage runs on its first replica's device or --device.
 """
 
 import argparse
@@ -64,7 +62,7 @@ def random_prompts(cfg: MeshConfig, seed: int):
 
 
 def thinker_cells(cfg: MeshConfig, device: str, args):
-    from services.thinker.reference import ThinkerSeq
+    from services.thinker.seq import ThinkerSeq
     from services.thinker.server import make_engine
 
     engine = make_engine(cfg, device)
@@ -114,21 +112,13 @@ def thinker_cells(cfg: MeshConfig, device: str, args):
 def hf_thinker_cells(cfg: MeshConfig, device: str, args):
     """transformers' own generate() on its thinker, batched (same prompt lengths, no padding needed): prefill
     is the time to the first token, decode the rest."""
-    from transformers import logging
-    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+    from transformers.models.qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration as Thinker
 
-    from bench.hf_engine import StepTimes
+    from bench.hf_engine import StepTimes, on_device
     from services.model.load import component_seed, init_weights_, load_config as model_config
 
-    logging.set_verbosity_error()
-    dtype, dev = DTYPES[cfg.model.dtype], torch.device(device)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with dev:
-            model = Qwen3OmniMoeThinkerForConditionalGeneration(model_config(cfg.model.dir).thinker_config).eval()
-    finally:
-        torch.set_default_dtype(default)
+    dev = torch.device(device)
+    model = on_device(Thinker, model_config(cfg.model.dir).thinker_config, dev, DTYPES[cfg.model.dtype])
     # The random load format's weights, as the native thinker's: an experts step costs what it chooses, and what
     # it chooses depends on the values, so transformers' own init would not measure the same model.
     init_weights_(model, component_seed(cfg.model.seed, "thinker"), skip=("visual.", "audio_tower."), lm=True)
@@ -197,8 +187,7 @@ def ints(text: str) -> list[int]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="mesh config: model, engines, devices")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override, e.g. thinker.overlap=false (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--out", required=True)
     p.add_argument("--stages", default="thinker,talker,encoder,preprocess", help=f"of {', '.join(STAGES)}")
     p.add_argument("--device", default="", help="run every stage here; default: each stage's first replica's device")
@@ -208,8 +197,7 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=16, help="thinker decode steps a cell; code2wav calls a cell")
     p.add_argument("--frames", type=int, default=16, help="talker frames per sequence")
     p.add_argument("--talker-prompt-bytes", type=int, default=32)
-    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
-                   help="freeze the heap after the engine's build and warm-up, as the stage servers do (thinker and talker)")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True, help="freeze the heap, as a server does")
     p.add_argument("--encoder-batches", type=ints, default=[1, 8, 32])
     p.add_argument("--code2wav-dtypes", default="bfloat16",
                    help="code2wav: precisions held to float32 (float32 always runs); NAME+native: its native decoder")

@@ -27,8 +27,9 @@ def test_stage_benchmarks(bench_dir):
         assert by[(("stage", "thinker"), ("mode", "prefill"), ("batch", b), ("prompt_len", 16))]["tok_per_s"] > 0
         talker = by[(("stage", "talker"), ("mode", "decode"), ("batch", b))]
         assert talker["frames"] == 4 * b and sum(talker[f"{k}_share"] for k in ("talker", "code_predictor", "code2wav")) == pytest.approx(1)
-        # the decode steps' own frames: each request's first frame came with its prompt's steps
-        assert 0 < talker["decode_frames"] <= 3 * b
+        # the decode steps' own frames (a request's first may come with its prompt's steps, or be read by the first
+        # decode step where the step that made it was overlapped)
+        assert 0 < talker["decode_frames"] <= 4 * b
         assert talker["frames_per_s"] == pytest.approx(talker["decode_frames"] / talker["seconds"])
         assert 0 < talker["step_ms_p50"] <= talker["step_ms_max"] <= 1000 * talker["seconds"]
         for item in ("image", "audio"):
@@ -63,9 +64,8 @@ def test_step_profiles(bench_dir, stage, capsys):
     out = capsys.readouterr().out
     assert "function calls" in out and "Self CPU" in out, out[-2000:]
     if stage == "thinker-prefill":
-        assert "prefill of 2 x 8 tokens to the first token" in out
-        assert engine.n == 6 and len(engine.walls) == 6  # warm, under cProfile, under torch.profiler: 2 rounds each
-        assert engine.engine.scheduler.allocator.used == 0
+        assert "prefill of 2 x 8 tokens to the first token" in out and "over 2 rounds" in out
+        assert engine.scheduler.allocator.used == 0
 
 
 def test_device_timeline_unions_each_stream_and_all_of_them():
