@@ -134,14 +134,11 @@ def summarize(parts: dict, runs: list[dict]) -> dict:
 
 def report(summary: dict) -> None:
     for part, stats in summary.items():
-        names = list(stats)
-        print(f"\n## {part}: " + " / ".join(names) + " (median [min-max], ratio to the first)")
-        for cell in dict.fromkeys(c for v in names for c in stats[v]):
-            for m in dict.fromkeys(m for v in names for m in stats[v].get(cell, {})):
-                figures = [(v, stats[v].get(cell, {}).get(m)) for v in names]
-                print(f"{cell:28s} {m:18s} " + "  ".join(
-                    f"{v} {s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}] {s['ratio'] or 0:.3f}x" if s else f"{v} -"
-                    for v, s in figures))
+        print(f"\n## {part}: " + " / ".join(stats) + " (median [min-max], ratio to the first)")
+        for cell in dict.fromkeys(c for cells in stats.values() for c in cells):
+            for m in dict.fromkeys(m for cells in stats.values() for m in cells.get(cell, {})):
+                print(f"{cell:28s} {m:18s} " + "  ".join(f"{v} {s['median']:.4g} [{s['min']:.4g}-{s['max']:.4g}] "
+                      f"{s['ratio'] or 0:.3f}x" if (s := cells.get(cell, {}).get(m)) else f"{v} -" for v, cells in stats.items()))
 
 
 def main(argv=None) -> dict:

@@ -1,13 +1,10 @@
 """The attention projections of a decode step, cuBLAS (F.linear) against the Triton partial sums (triton_linear):
-each weight shape of the thinker and the talker at 1, 8, 32 and 64 rows, every tile shape of a sweep, each timed
-as a CUDA graph of one call per copy of the weight (enough copies that no call finds its weight in L2, as in a
-step that reads 48 layers' weights in turn), with the output's largest difference from a float32 product.
+each weight shape of the thinker and the talker at 1, 8, 32 and 64 rows, timed as a CUDA graph of one call per copy
+of the weight (enough copies that no call finds its weight in L2), with the largest difference from float32. The
+tile sweep, at 32 rows: N tiles of 16-128 by K splits of 1-8, then warps and stages for the three fastest; the five
+fastest and triton_linear's own choice then at every row count.
 
-    python -m bench.linear --out bench/results/linear-1xh200.json
-
-The sweep, at 32 rows: N tiles of 16 to 128 and K splits of 1 to 8 (K tiles of 128 and 256, four warps and four
-stages), then warps and stages for the three fastest; the five fastest of all and triton_linear's own choice then
-at every row count.
+    python -m bench.linear --out bench/results/linear-1xh200-COMMIT.json
 """
 
 import argparse

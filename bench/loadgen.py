@@ -1,9 +1,8 @@
 """Closed-loop load over the public gRPC API: exactly B requests in flight, each finished one replaced at once.
 
-One asyncio loop with grpc.aio; requests are built before the clock starts, and per message the loop
-only reads a timestamp and a few lengths, so the client stays cheap (its CPU time is reported per cell).
-Each stage process's CPU over a cell comes from the `process_cpu_seconds_total` its metrics endpoint exports
-(StageCpu): a Python process out of its one core shows there before any GPU is the limit.
+One asyncio loop with grpc.aio; requests are built before the clock starts, and per message the loop only reads
+a timestamp and a few lengths, so the client stays cheap (its CPU time is reported per cell). StageCpu reads each
+stage process's CPU from its metrics endpoint: a Python process out of its one core shows there.
 """
 
 import asyncio

@@ -1,8 +1,6 @@
-"""Joins result files of one sweep run in parallel parts (say the transformers cells of the text workloads on
-GPU0 and of the speech ones on GPU1, at the same time) into one file, as `--resume` joins parts run one after
-another: the same checks (engine, config and overrides, lengths and inputs, code, GPU model), no cell measured in
-two files (one a file skipped gives way to the file that measured it, as `--resume` runs it again), every part's
-run record kept.
+"""Joins result files of one sweep run in parallel parts (say text workloads on GPU0, speech on GPU1) into one
+file, as `bench.run --resume` joins parts run one after another: the same checks (engine, config, lengths, inputs,
+code, GPU model), no cell measured in two files (a skipped one gives way), every part's run record kept.
 
     python -m bench.merge .cache/hf-text.json .cache/hf-speech.json --out bench/results/2xh200-hf.json
 """

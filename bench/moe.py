@@ -1,9 +1,7 @@
-"""One full-size MoE layer's experts by number of tokens, every way the engines run them: bf16 through the grouped
-GEMM and through our Triton kernels, fp8 (per-channel weights) through `torch._scaled_grouped_mm` and through the
-Triton kernels, fp8 in 128 x 128 tiles, and fp8 with e4m3 activations. Time per call replayed as a CUDA graph (as
-decode runs it), the weight bandwidth it reached, and each output's difference from bf16 grouped; up to the decode
-kernels' token count also the router, triton_route.route against layers.route. The torch parts are compiled as
-the engines compile them. `--tiles` also times the Triton kernels' tile shapes at those token counts.
+"""One full-size MoE layer's experts by number of tokens, every way the engines run them (bf16 and fp8 per channel
+through the grouped GEMM and our Triton kernels, fp8 in 128 x 128 tiles, fp8 with e4m3 activations): time per call
+replayed as a CUDA graph, the weight bandwidth reached, each output's difference from bf16 grouped; up to the
+decode kernels' token count also the router. `--tiles`: the Triton kernels' tile shapes timed at those counts.
 
     python -m bench.moe --out bench/results/moe-1xh200-COMMIT.json
 """
@@ -147,7 +145,6 @@ def main(argv=None):
                     module = {"bf16": experts, "fp8": channel, "fp8a8": ways["fp8a8_triton"][0]}[way]
                     shapes, downs = tile_sweep(n, x, ids, w, module, args.iters)
                     cell[f"tiles_{way}"], cell[f"down_tiles_{way}"] = shapes[:6], downs[:6]
-        cell["speedup_fp8_triton"] = cell["bf16_grouped_ms"] / cell.get("fp8_triton_ms", cell["fp8_grouped_ms"])
         result["cells"].append(cell)
         print(json.dumps(cell), flush=True)
         results.write(result, args.out)

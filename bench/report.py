@@ -61,35 +61,32 @@ FIRST_OUTPUT_PARTS = ["preprocess", "gateway_preprocess", "encode_wait", "encode
                       "thinker_prefill", "talker_wait_states", "talker_queue", "talker_first_frame", "talker_first_chunk"]
 
 
-def first_output_split(group: str, cells: list[dict]) -> list[str]:
-    """A table of where each cell's first token (and audio) waits: the p50 of each part the stages reported."""
-    parts = [k for k in FIRST_OUTPUT_PARTS if any((c.get("stage_seconds_p50") or {}).get(k) is not None for c in cells)]
-    if not parts:
+def cell_table(title: str, cells: list[dict], field: str, names: list[str], scale: float) -> list[str]:
+    """A table of one dict field of each cell (`names` its columns, each value times `scale`); nothing if no cell has any."""
+    names = [k for k in names if any((c.get(field) or {}).get(k) is not None for c in cells)]
+    if not names:
         return []
-    lines = [f"Where {group}'s first output waits, p50 of each part in ms (the gateway_* calls contain the stage's own "
-             "parts; p50s of parts need not add up to the p50 of the whole):", "",
-             "| cell | " + " | ".join(parts) + " |", "|---" * (len(parts) + 1) + "|"]
+    lines = [title, "", "| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for cell in cells:
-        split = cell.get("stage_seconds_p50") or {}
+        values = cell.get(field) or {}
         label = key_label(tuple(kv for kv in cell_key(cell) if kv[0] not in ("workload", "stage", "mode")))
-        lines.append(f"| {label} | " + " | ".join("-" if split.get(k) is None else f"{1000 * split[k]:.0f}" for k in parts) + " |")
+        lines.append(f"| {label} | " + " | ".join("-" if values.get(k) is None else f"{scale * values[k]:.0f}" for k in names) + " |")
     return lines + [""]
+
+
+def first_output_split(group: str, cells: list[dict]) -> list[str]:
+    """Where each cell's first token (and audio) waits: the p50 of each part the stages reported."""
+    return cell_table(f"Where {group}'s first output waits, p50 of each part in ms (the gateway_* calls contain the stage's "
+                      "own parts; p50s of parts need not add up to the p50 of the whole):", cells, "stage_seconds_p50",
+                      FIRST_OUTPUT_PARTS, 1000)
 
 
 def stage_cpu(group: str, cells: list[dict]) -> list[str]:
-    """A table of each stage process's CPU over the cell (bench.loadgen.StageCpu), as a share of one core."""
-    names = sorted({k for c in cells for k in c.get("stage_cpu_frac") or {}})
-    if not names:
-        return []
-    lines = [f"CPU of each stage process over {group}'s cells, % of one core (100%: a Python process's main thread "
-             "can do no more; but a GPU stage's thread waiting on its device spins there, CUDA's default wait, so a GPU "
-             "stage near 100% is not thereby bound by its host):", "", "| cell | " + " | ".join(names) + " |",
-             "|---" * (len(names) + 1) + "|"]
-    for cell in cells:
-        cpu = cell.get("stage_cpu_frac") or {}
-        label = key_label(tuple(kv for kv in cell_key(cell) if kv[0] not in ("workload", "stage", "mode")))
-        lines.append(f"| {label} | " + " | ".join("-" if cpu.get(k) is None else f"{100 * cpu[k]:.0f}" for k in names) + " |")
-    return lines + [""]
+    """Each stage process's CPU over the cell (bench.loadgen.StageCpu), as a share of one core."""
+    return cell_table(f"CPU of each stage process over {group}'s cells, % of one core (100%: a Python process's main thread "
+                      "can do no more; but a GPU stage's thread waiting on its device spins there, CUDA's default wait, so a "
+                      "GPU stage near 100% is not thereby bound by its host):", cells, "stage_cpu_frac",
+                      sorted({k for c in cells for k in c.get("stage_cpu_frac") or {}}), 100)
 
 
 def markdown(result: dict, name: str, baseline: dict | None = None, baseline_name: str = "") -> str:

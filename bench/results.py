@@ -58,19 +58,13 @@ def git_state() -> dict:
 
 
 def gpus() -> list[dict]:
-    """GPU names and memory: from nvidia-smi (no CUDA context in this process), else from torch.cuda."""
-    if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-        rows = [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
-        if rows:
-            return [{"name": n, "memory_gib": round(float(m) / 1024, 1), "driver": d} for n, m, d in rows]
-    import torch
-
-    if not torch.cuda.is_available():
+    """GPU names and memory from nvidia-smi (no CUDA context made in this process); none without it."""
+    if not shutil.which("nvidia-smi"):
         return []
-    return [{"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)}
-            for p in (torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count()))]
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    rows = [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+    return [{"name": n, "memory_gib": round(float(m) / 1024, 1), "driver": d} for n, m, d in rows]
 
 
 def machine() -> dict:

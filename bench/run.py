@@ -3,9 +3,8 @@
     python -m bench.run --config configs/bench-2xh200.yaml --launch --out bench/results/NAME.json
     python -m bench.run --config configs/bench-2xh200.yaml --engine hf --device cuda:0 --out bench/results/NAME-hf.json
 
-The result file is rewritten after every cell, so a run cut short keeps what it finished, and `--resume`
-carries on with it: a sweep longer than one sitting runs in parts (one workload or a few concurrencies at
-a time), each part adding the cells the file lacks, all parts held to the same config and code.
+The result file is rewritten after every cell, so a run cut short keeps what it finished; `--resume` adds the
+cells a file lacks, so a sweep longer than one sitting runs in parts, all held to the same config and code.
 """
 
 import argparse
@@ -46,19 +45,13 @@ class Budget:
         self.deadline = time.perf_counter() + minutes * 60 if minutes else None
         self.seen: dict[str, tuple[int, int, float]] = {}  # workload -> (concurrency, requests, seconds) of its last cell
 
-    def left(self) -> float:
-        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
-
     def why_not(self, w: Workload, concurrency: int, requests: int) -> str:
-        if self.left() <= 0:
+        left = float("inf") if self.deadline is None else self.deadline - time.perf_counter()
+        if left <= 0:
             return "the run's time limit was reached"
-        if w.name not in self.seen:
-            return ""
-        b, n, seconds = self.seen[w.name]
+        b, n, seconds = self.seen.get(w.name, (1, 1, 0.0))
         estimate = seconds * (requests / n) * (b / concurrency)  # as if throughput grew with concurrency
-        if estimate > self.left():
-            return f"not enough time left: needs at least ~{estimate:.0f} s, {self.left():.0f} s left"
-        return ""
+        return f"not enough time left: needs at least ~{estimate:.0f} s, {left:.0f} s left" if estimate > left else ""
 
     def record(self, w: Workload, concurrency: int, requests: int, seconds: float) -> None:
         self.seen[w.name] = (concurrency, requests, seconds)
@@ -89,10 +82,6 @@ def finish_cell(w: Workload, concurrency: int, loop: LoopResult, warmup: int, ke
     return cell
 
 
-def busiest(cpu: dict[str, float], n: int = 3) -> list[tuple[str, float]]:
-    return sorted(cpu.items(), key=lambda kv: -kv[1])[:n]
-
-
 def print_cell(cell: dict) -> None:
     def ms(key):
         return f"{cell[key] * 1000:.0f}ms" if cell.get(key) is not None else "-"
@@ -108,22 +97,18 @@ def print_cell(cell: dict) -> None:
           f"{num('req_per_s', '.3f')} req/s  {num('audio_s_per_s', '.2f')} audio-s/s  TTFT p50 {ms('ttft_p50')} "
           f"TTFA p50 {ms('ttfa_p50')}  ITL p50 {ms('itl_p50')}  e2e p50 {ms('e2e_p50')}  RTF p50 {num('rtf_p50', '.3f')}  "
           f"{cell['duration_s']:.1f}s" + (f"  client CPU {cell['client_cpu_frac']:.0%}" if "client_cpu_frac" in cell else "")
-          + ("  busiest: " + ", ".join(f"{k} {v:.0%}" for k, v in busiest(cell.get("stage_cpu_frac", {}))) if cell.get("stage_cpu_frac") else "")
+          + ("  busiest: " + ", ".join(f"{k} {v:.0%}" for k, v in sorted(cell["stage_cpu_frac"].items(), key=lambda kv: -kv[1])[:3])
+             if cell.get("stage_cpu_frac") else "")
           + (f"  [{cell['status']}: {cell['reason']}]" if cell["status"] != "ok" else "")
           + (f"  first error: {cell['first_error'][:160]}" if cell["failures"] else ""), flush=True)
 
 
-def stages_needed(w: Workload) -> set[str]:
-    """The stages a workload's requests pass through: a stage that died takes only these cells with it (a talker
-    that died leaves the text workloads to run)."""
-    return ({"gateway", "thinker"} | ({"preprocess", "encoder"} if w.media != "text" else set())
-            | ({"talker"} if w.speech else set()))
-
-
 def dead_stages(procs: dict, w: Workload) -> str:
-    """Why `w`'s cells cannot run: the launched stage processes (`procs`, name -> Popen) it needs that exited."""
+    """Why `w`'s cells cannot run: the launched stage processes (`procs`, name -> Popen) it needs that exited (a
+    talker that died leaves the text workloads to run)."""
+    needed = {"gateway", "thinker"} | ({"preprocess", "encoder"} if w.media != "text" else set()) | ({"talker"} if w.speech else set())
     return "; ".join(f"{name} exited with code {p.returncode}" for name, p in procs.items()
-                     if p.poll() is not None and name.rsplit("-", 1)[0] in stages_needed(w))
+                     if p.poll() is not None and name.rsplit("-", 1)[0] in needed)
 
 
 class MeshRunner:
@@ -167,7 +152,7 @@ class Sweep:
         """The cells to run: every workload at every concurrency asked for, less those the file already has."""
         ws = select(self.args.workloads, self.args.max_tokens, self.args.frames, self.args.prompt_bytes)
         bs = [int(b) for b in self.args.concurrency.split(",")]
-        cells = [(w, b) for b in bs for w in ws] if self.args.order == "concurrency" else [(w, b) for w in ws for b in bs]
+        cells = [(w, b) for w in ws for b in bs]
         done = {(c["workload"], c["concurrency"]) for c in self.result["cells"] if c["status"] == "ok"}
         return [(w, b) for w, b in cells if (w.name, b) not in done]
 
@@ -258,8 +243,7 @@ def wait_serving(cfg, seconds: float, poll_s: float = 1.0) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="mesh config: the deployment, its model and sampling defaults")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override, e.g. thinker.engine=native (repeatable; a launched mesh gets it too)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--out", required=True, help="result JSON (rewritten after every cell)")
     p.add_argument("--engine", choices=["mesh", "hf"], default="mesh")
     p.add_argument("--launch", action="store_true", help="start the mesh of --config (and stop it at the end)")
@@ -267,7 +251,6 @@ def parse_args(argv=None):
     p.add_argument("--device", default="", help="hf engine: device; default cuda:0 when there is a GPU, else cpu")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
-    p.add_argument("--order", choices=["workload", "concurrency"], default="workload", help="which loop is outermost")
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--requests-per-slot", type=int, default=4, help="a cell runs max(this x B, --min-requests) requests")
     p.add_argument("--warmup-rounds", type=int, default=1, help="warm-up requests per cell = this x B, not counted")
@@ -286,8 +269,7 @@ def parse_args(argv=None):
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--log-dir", default=None, help="stage logs with --launch (default .cache/logs)")
     p.add_argument("--records", action="store_true", help="keep every request's raw record in the result")
-    p.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
-                   help="without --launch: wait this long for every replica of the config to serve (a mesh still starting)")
+    p.add_argument("--wait-ready", type=float, default=0.0, metavar="S", help="without --launch: wait for every replica")
     p.add_argument("--resume", action="store_true", help="--out exists: add the cells it lacks (same config, code, lengths)")
     return p.parse_args(argv)
 

@@ -1,6 +1,5 @@
-"""bench.stages' speech cells: the talker engine alone, fed synthetic thinker states, its frames/s by batch and their
-split into talker / code predictor / code2wav (`--stages talker`); code2wav alone by precision against float32
-(`--stages code2wav`); and the feed itself, which bench.profile_step's talker steps take too."""
+"""bench.stages' speech cells: the talker alone, fed synthetic thinker states (TalkerFeed, bench.profile_step's too),
+frames/s by batch split into talker / code predictor / code2wav; code2wav alone by precision against float32."""
 
 import math
 import time
@@ -60,10 +59,8 @@ def talker_cells(cfg: MeshConfig, device: str, args):
         return [s for s in seqs if engine.ready(s)]
 
     def run(seqs) -> dict:
-        """Steps until every sequence has its first frame (its prompt computed: more than one step's tokens for
-        many requests), drained; then every later step back to back, the device drained once at the end (a drain
-        between steps would undo what overlaps: a frame step's launch with the one before, code2wav on its own
-        stream). The decode steps' figures."""
+        """Steps until every sequence has its first frame, drained; then every later step back to back, drained once
+        at the end (a drain between steps would undo what overlaps). The decode steps' figures."""
         def prompts():  # frames launched but not read yet count (an overlapped step's)
             while (now := ready(seqs)) and not all(s.done or s.frames or s.frames_unread for s in seqs):
                 engine.step(now)

@@ -2,10 +2,8 @@
 
     python -m bench.transport --out bench/results/transport-1xh200-COMMIT.json
 
-Per size and route, the producer's put (into its pool, or into the message's bytes), the message time (the ref
-through a pipe, standing in for gRPC), and the consumer's get (read into its own GPU memory, synchronised).
-"ready" = put + get: how long after the producer starts handing over the tensor is in the consumer's hands,
-message time excluded. The transport is the services' own (services.runtime.transport), at its defaults.
+Per size and route (services.runtime.transport at its defaults): the producer's put, the message time (the ref
+through a pipe, standing in for gRPC), the consumer's get into its own memory; "ready" = put + get.
 """
 
 import argparse
