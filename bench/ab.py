@@ -60,9 +60,8 @@ def load(path: Path) -> dict:
                            "env": {**old.get("env", {}), **fields.get("env", {})}}
         if not variants:
             raise SystemExit(f"{path}: part {name} has no variants")
-        for v, fields in variants.items():
-            if not (fields.get("command") or part.get("command") or spec.get("command")):
-                raise SystemExit(f"{path}: {name}.{v} has no command")
+        if missing := [v for v, f in variants.items() if not (f.get("command") or part.get("command") or spec.get("command"))]:
+            raise SystemExit(f"{path}: {name}: no command for {missing}")
         out[name] = {"command": part.get("command", spec.get("command")), "variants": variants,
                      "rounds": part.get("rounds", spec.get("rounds", 2)), "timeout_s": part.get("timeout_s", spec.get("timeout_s")),
                      "share": spec.get("share", [])}
@@ -152,6 +151,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     path, repo = Path(args.file), Path(args.repo).resolve()
     every = load(path)
+    if unknown := set(filter(None, args.parts.split(","))) - set(every):
+        raise SystemExit(f"{path} has no parts {sorted(unknown)}; it has {', '.join(every)}")
     parts = {k: v for k, v in every.items() if not args.parts or k in args.parts.split(",")}
     out = Path(args.out or repo / ".cache" / "ab" / "out" / path.stem).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -81,3 +81,5 @@ def test_a_run_past_its_timeout_is_stopped(tmp_path):
     spec.write_text(yaml.safe_dump({"rounds": 1, "timeout_s": 1, "command": "sleep 30 # {out}", "variants": {"only": {}}}))
     (run,) = ab.main([str(spec), "--out", str(tmp_path / "out")])["runs"]
     assert run["timed_out"] and run["rc"] != 0 and run["output"] is None and run["wall_s"] < 20
+    with pytest.raises(SystemExit, match="no parts"):
+        ab.main([str(spec), "--out", str(tmp_path / "out"), "--parts", "fast"])
