@@ -16,7 +16,8 @@
           after: {set: [thinker.fp8=off]}
 
 A variant has `set` (overrides, appended to the command as `--set X`), `commit` (a commit or ref: the command runs
-in `.cache/ab/SHA`, a worktree of it made once, so each side runs its own tree's code and harness), `command` (in
+in `.cache/ab/SHA`, a worktree of it made once, so each side runs its own tree's code and harness), `tree` (a folder
+holding another tree, relative to the repository: a commit exported where there is no git), `command` (in
 place of the part's: an old commit's harness may take other flags) and `env`. `{out}` in a command is the JSON path
 the runner gives the run; AB_PART, AB_VARIANT and AB_ROUND are in its environment. DIR/NAME.json holds every run
 (its output loaded inline) and, per part, variant and cell, the median, min and max of each metric bench.results
@@ -40,7 +41,7 @@ import yaml
 from bench.results import METRICS, cell_key, key_label, write
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-VARIANT_KEYS = {"set", "commit", "command", "env"}
+VARIANT_KEYS = {"set", "commit", "tree", "command", "env"}
 
 
 def load(path: Path) -> dict:
@@ -78,12 +79,18 @@ def worktree(repo: Path, ref: str, share: list[str]) -> tuple[Path, str]:
     path = repo / ".cache" / "ab" / sha[:12]
     if not path.exists():
         git(repo, "worktree", "add", "--detach", str(path), sha)
-    for rel in share:  # the model folder, kernel caches: ignored paths each tree expects in its own root
+    link_shared(repo, path, share)
+    return path, sha
+
+
+def link_shared(repo: Path, path: Path, share: list[str]) -> None:
+    """The `share` paths of `repo` linked into the tree at `path`: the model folder, kernel caches, ignored paths
+    each tree expects in its own root."""
+    for rel in share:
         link, src = path / rel, repo / rel
         if src.exists() and not os.path.lexists(link):
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(os.path.relpath(src, link.parent))
-    return path, sha
 
 
 def run_one(command: str, cwd: Path, env: dict, log: Path, timeout: float | None) -> tuple[int, bool]:
@@ -165,6 +172,9 @@ def main(argv=None) -> dict:
         for rnd in range(1, (args.rounds or part["rounds"]) + 1):
             for v, fields in part["variants"].items():
                 cwd, sha = worktree(repo, fields["commit"], part["share"]) if fields.get("commit") else (repo, None)
+                if fields.get("tree"):
+                    cwd = (repo / fields["tree"]).resolve()
+                    link_shared(repo, cwd, part["share"])
                 if args.prepare:
                     continue
                 stem = f"{name}-{v}-r{rnd}"

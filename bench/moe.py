@@ -14,10 +14,11 @@ import time
 import torch
 
 from bench import results
-from services.llm import layers, triton_moe, triton_route
+from services.llm import moe, triton_moe, triton_route
 from services.llm.context import step_context
 from services.llm.fp8 import Fp8Experts
-from services.llm.layers import Experts, fuse
+from services.llm.fusion import fuse
+from services.llm.moe import Experts
 from services.model.load import load_config
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -137,8 +138,8 @@ def main(argv=None):
             if n <= triton_moe.MAX_TOKENS:  # the router, as decode runs it
                 k = tc.num_experts_per_tok
                 cell["route_triton_ms"] = graph_ms(lambda: triton_route.route(x, gate, k, tc.norm_topk_prob), args.iters)
-                cell["route_torch_ms"] = graph_ms(lambda: layers.OPS["route"](x, gate, k, tc.norm_topk_prob), args.iters)
-                got, want = triton_route.route(x, gate, k, tc.norm_topk_prob)[0], layers.route(x, gate, k, tc.norm_topk_prob)[0]
+                cell["route_torch_ms"] = graph_ms(lambda: moe.route(x, gate, k, tc.norm_topk_prob), args.iters)
+                got, want = triton_route.route(x, gate, k, tc.norm_topk_prob)[0], moe.route(x, gate, k, tc.norm_topk_prob)[0]
                 cell["route_same_experts"] = (got.sort(-1).values == want.sort(-1).values).all(-1).float().mean().item()
             if n in tiles_at:
                 for way in args.tile_ways.split(","):

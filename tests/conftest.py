@@ -72,7 +72,7 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bo
         "preprocess": {"replicas": replicas(1)},
         "encoder": {"replicas": enc},
         "thinker": {"replicas": think},
-        "talker": {"replicas": replicas(1) if with_talker else [], "first_chunk_frames": 4, "chunk_frames": 8},
+        "talker": {"replicas": replicas(1) if with_talker else [], "chunks": [4, 8]},
     }
     for key, value in overrides.items():
         cfg[key].update(value)
@@ -90,8 +90,9 @@ def _running_mesh(tmp, model, **overrides):
 
 @pytest.fixture(scope="session")
 def mesh(tiny_model, tmp_path_factory):
-    """The mesh with the reference engines."""
-    m = _running_mesh(tmp_path_factory.mktemp("mesh"), tiny_model)
+    """The mesh with the reference engines (transformers' modules)."""
+    m = _running_mesh(tmp_path_factory.mktemp("mesh"), tiny_model, thinker={"engine": "reference"},
+                      talker={"engine": "reference"})
     yield m
     codes = m.stop()
     assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"
@@ -99,14 +100,10 @@ def mesh(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def native_mesh(tiny_model, tmp_path_factory):
-    """The mesh with the native thinker and talker engines (small blocks and budget: requests share steps and
-    chunk), both engines' steps overlapped with their host work, batched encoders, audio handed on as
-    waveforms whose features the encoder makes (the reference mesh: features made by preprocess), and features
-    put into shared memory by the preprocess workers themselves (the reference mesh: by the replica's process)."""
-    small = {"engine": "native", "block_size": 8, "max_batched_tokens": 64, "kv_blocks": 256}
-    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker={**small, "overlap": True},
-                      talker={**small, "overlap": True},
-                      encoder={"batch": True}, preprocess={"audio": "pcm", "put_in_workers": True})
+    """The mesh as served (the native engines), with small blocks and step budgets: requests share steps and
+    their prompts are chunked."""
+    small = {"block_size": 8, "max_batched_tokens": 64, "kv_blocks": 256}
+    m = _running_mesh(tmp_path_factory.mktemp("native"), tiny_model, thinker=small, talker=small)
     yield m
     codes = m.stop()
     assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"

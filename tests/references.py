@@ -34,6 +34,29 @@ def wav(seed: int, seconds: float = 1.0, rate: int = 16000, channels: int = 1) -
     return buf.getvalue()
 
 
+def model_config(model_dir, **overrides):
+    """The tiny model as a deployment names it (float32 on the CPU: equivalence holds there)."""
+    from services.runtime.config import ModelConfig
+
+    return ModelConfig(path=str(model_dir), dtype="float32", **overrides)
+
+
+def native_thinker(model_dir, device: str = "cpu", **overrides):
+    """The native thinker as served, but for `overrides` of its config section."""
+    from services.runtime.config import ThinkerConfig
+    from services.thinker.engine import NativeThinker
+
+    return NativeThinker(model_config(model_dir), ThinkerConfig(**overrides), device)
+
+
+def native_talker(model_dir, device: str = "cpu", **overrides):
+    """The native talker as served, but for `overrides` of its config section."""
+    from services.runtime.config import TalkerConfig
+    from services.talker.engine import NativeTalker
+
+    return NativeTalker(model_config(model_dir), TalkerConfig(**overrides), device)
+
+
 def load_hf(model_dir):
     from transformers import logging
     from transformers.models.qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
@@ -173,10 +196,10 @@ class Reference:
 def thinker_seq(reference: Reference, case: Case, max_tokens: int, return_states: bool = False):
     """The thinker request the mesh would send for `case`: prompt, M-RoPE positions, and embeddings
     from transformers' own towers at the placeholder runs."""
-    from services.llm.mrope import Layout, mrope_positions, tokens_from_config
+    from services.model.positions import Layout, mrope_positions, tokens_from_config
     from services.llm.sampling import SamplingParams
     from services.model.spec import audio_tokens
-    from services.thinker.reference import Span, ThinkerSeq
+    from services.thinker.seq import Span, ThinkerSeq
 
     kw = reference.inputs(case)
     ids, th, spec = kw["input_ids"][0], reference.hf.thinker, reference.spec

@@ -84,14 +84,20 @@ class StandInWrapper:
         return out
 
 
-class EagerGraphs(graphs.CapturedGraphs):
-    """Each decode "graph" is its body run when replayed (outputs valid until the next replay, as a graph's). With
-    `attention` (the engine's DecodeAttention by size), each replay first checks that every row's new token goes
-    to the slot after its last cached one: the last page's slot at the last page's length."""
+class EagerLadder:
+    """graphs.Ladder whose "graph" of each size is its body run when replayed (outputs valid until the next replay,
+    as a graph's). With `attention` (DecodeAttention by size), each replay first checks that every row's new token
+    goes to the slot after its last cached one: the last page's slot at the last page's length."""
 
-    def __init__(self, sizes, body, device, copies: int = 1):  # no executables here: every replay is the body's run
-        self.sizes, self.body, self.graphs, self.replays, self.launch_s = sorted(sizes), body, {}, 0, 0.0
-        self.attention = {}
+    def __init__(self, sizes, body, device):  # no executables here: every replay is the body's run
+        self.sizes, self.body, self.replays, self.attention = sorted(sizes), body, 0, {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def size_for(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
 
     def replay(self, b: int) -> tuple:
         if b in self.attention:
@@ -105,10 +111,18 @@ class EagerGraphs(graphs.CapturedGraphs):
         return self.body(b)
 
 
-def stand_in_flashinfer(monkeypatch) -> None:
+def eager_graphs(monkeypatch) -> None:
+    """Every graph ladder of the engines run as its bodies (EagerLadder)."""
+    monkeypatch.setattr(graphs, "Ladder", EagerLadder)
+
+
+def stand_in_flashinfer(monkeypatch, direct: bool = True) -> None:
+    """flashinfer's decode wrapper as StandInWrapper; `direct` off: a version the direct plan does not know."""
     from services.llm import flashinfer_attention
 
     fake = types.SimpleNamespace(__version__="0.6.13", BatchDecodeWithPagedKVCacheWrapper=StandInWrapper,
                                  decode=types.SimpleNamespace(), prefill=types.SimpleNamespace())
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(flashinfer_attention, "sm_count", lambda device: STAND_IN_SMS)
+    if not direct:
+        monkeypatch.setattr(flashinfer_attention, "DIRECT_PLAN_VERSION", "none")

@@ -1,10 +1,10 @@
 """Encoder stage: features in, embeddings (and DeepStack taps) out, by reference."""
 
 from omni.stage.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
-from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
+from services.encoder.engine import EncodeJob, Encoder, Item
 from services.runtime.config import MeshConfig
 from services.runtime.metrics import QUEUE_WAIT, rpc
-from services.runtime.protoconv import DTYPES, timings
+from services.runtime.protoconv import timings
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
@@ -42,10 +42,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.encoder.replicas[replica]
-    engine = ReferenceEncoder(cfg.model.dir, r.device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
-                              batch=cfg.encoder.batch, attention=cfg.encoder.attention, compile=cfg.encoder.compile,
-                              graphs=cfg.encoder.graphs)
-    if cfg.encoder.compile or cfg.encoder.graphs:
+    engine = Encoder(cfg.model, cfg.encoder, r.device)
+    if engine.device.type == "cuda":
         engine.warm()
     return engine_stage(server, "encoder", cfg, replica, engine, lambda w, t: EncoderServicer(w, t, r.device),
                         encoder_pb2.DESCRIPTOR.services_by_name["Encoder"], exports_gpu_tensors=True)

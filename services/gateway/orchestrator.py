@@ -17,23 +17,23 @@ from omni.stage.v1 import (
 from omni.v1 import omni_pb2
 from services.gateway.detok import Detokenizer
 from services.gateway.prompt import MediaRef, PromptBuilder
-from services.gateway.router import Endpoint, Router
+from services.gateway.router import LOAD_POLL_S, Endpoint, Router
 from services.gateway.validate import Resolved, resolve
 from services.model.spec import OmniSpec
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.protoconv import sampling_to_proto
+from services.runtime.transport import SHM_DOMAIN
 
 MEDIA_KINDS = {common_pb2.MEDIA_KIND_IMAGE: "image", common_pb2.MEDIA_KIND_AUDIO: "audio", common_pb2.MEDIA_KIND_VIDEO: "video"}
 SAMPLE_RATE = 24000
 
 
-def _placement(endpoint: Endpoint | None) -> tensor_pb2.Placement:
+def _placement(endpoint: Endpoint | None, shm: bool) -> tensor_pb2.Placement:
     """Where a stage will read what the call produces, so the producer picks a transport it can use."""
     if endpoint is None:
         return tensor_pb2.Placement()
-    r = endpoint.replica
-    return tensor_pb2.Placement(shm_domain=r.shm_domain, cuda=r.device.startswith("cuda"))
+    return tensor_pb2.Placement(shm_domain=SHM_DOMAIN if shm else "", cuda=endpoint.replica.device.startswith("cuda"))
 
 
 def wav_bytes(pcm16: bytes, rate: int = SAMPLE_RATE) -> bytes:
@@ -73,13 +73,13 @@ class Gateway:
         self.cfg = cfg
         self.spec = OmniSpec.load(cfg.model.dir)
         self.prompts = PromptBuilder(cfg.model.dir, self.spec)
-        poll = cfg.gateway.load_poll_ms / 1000
+        poll, routing = LOAD_POLL_S, cfg.gateway.routing
         self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub, poll_s=poll,
                                  stage="preprocess")
-        self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub, cfg.gateway.encoder_routing == "modality",
-                               poll, cfg.gateway.encoder_routing == "fixed", stage="encoder")
-        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub, cfg.gateway.thinker_routing == "modality",
-                               poll, cfg.gateway.thinker_routing == "fixed", stage="thinker")
+        self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub, routing == "modality", poll,
+                               routing == "fixed", stage="encoder")
+        self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub, routing == "modality", poll,
+                               routing == "fixed", stage="thinker")
         has_talker = bool(cfg.talker.replicas) and self.spec.has_talker
         self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub, poll_s=poll, stage="talker") if has_talker else None
         self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions
@@ -106,15 +106,14 @@ class Gateway:
 
     async def generate(self, req: omni_pb2.GenerateRequest, timeout: float | None):
         progress = Progress(time.perf_counter(), timeout)
-        g = self.cfg.gateway
-        r = resolve(req, self.spec, self.cfg.limits, g.thinker, g.talker, self.talkers is not None, self.prompts.check_text)
+        r = resolve(req, self.spec, self.cfg.limits, self.talkers is not None, self.prompts.check_text)
         rid = req.request_id or uuid.uuid4().hex
         thinker_ep = self.thinkers.pick("audio" if r.want_audio else "text")
         talker_ep = self.talkers.pick() if r.want_audio else None
         spans, prompt = await self._prompt(rid, r, thinker_ep, progress)
         treq = thinker_pb2.ThinkerRequest(
             request_id=rid, prompt_ids=prompt.ids, positions=prompt.positions.reshape(-1).tolist(), rope_delta=prompt.rope_delta,
-            spans=spans, sampling=sampling_to_proto(r.thinker), return_states=r.want_audio, placement=_placement(talker_ep),
+            spans=spans, sampling=sampling_to_proto(r.thinker), return_states=r.want_audio, placement=_placement(talker_ep, self.cfg.transport.shm),
             embed_token_ids=self.tts_ids if r.want_audio else [],
         )
         events: asyncio.Queue = asyncio.Queue()
@@ -168,7 +167,7 @@ class Gateway:
         t0 = time.perf_counter()
         with self.preprocess.use(pre_ep):
             pre = await pre_ep.stub.Process(
-                preprocess_pb2.PreprocessRequest(request_id=rid, items=items, placement=_placement(encoder_ep)), timeout=progress.left())
+                preprocess_pb2.PreprocessRequest(request_id=rid, items=items, placement=_placement(encoder_ep, self.cfg.transport.shm)), timeout=progress.left())
         progress.add_timings(pre.timings)
         # The calls as the gateway waited for them (the stage's work, its queue, the messages): beside the stages'
         # own counts they show where a time to first token waits.
@@ -178,7 +177,7 @@ class Gateway:
         t0 = time.perf_counter()
         with self.encoders.use(encoder_ep):
             enc = await encoder_ep.stub.Encode(
-                encoder_pb2.EncodeRequest(request_id=rid, items=pre.items, placement=_placement(thinker_ep)), timeout=progress.left())
+                encoder_pb2.EncodeRequest(request_id=rid, items=pre.items, placement=_placement(thinker_ep, self.cfg.transport.shm)), timeout=progress.left())
         progress.add_timings(enc.timings)
         progress.timings["gateway_encode"] = time.perf_counter() - t0
         spans = [thinker_pb2.MultimodalSpan(offset=o, embeds=e.embeds, deepstack=e.deepstack) for o, e in zip(prompt.offsets, enc.items)]

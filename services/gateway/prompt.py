@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.llm.mrope import Layout, mrope_positions, tokens_from_config
+from services.model.positions import Layout, mrope_positions, tokens_from_config
 from services.model.spec import OmniSpec
 from services.runtime.errors import InvalidArgument
 

@@ -20,6 +20,8 @@ from services.runtime.server import STAGE_MESSAGE_BYTES, grpc_options
 
 log = logging.getLogger(__name__)
 
+LOAD_POLL_S = 0.1  # how often the gateway asks each replica of a stage with several for its load
+
 
 @dataclass
 class Endpoint:

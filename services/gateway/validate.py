@@ -7,7 +7,6 @@ from services.llm.sampling import SamplingParams
 from services.model.spec import OmniSpec
 from services.runtime.config import Limits
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from services.runtime.stage_config import SamplingDefaults
 
 ROLE_NAMES = {omni_pb2.ROLE_SYSTEM: "system", omni_pb2.ROLE_USER: "user", omni_pb2.ROLE_ASSISTANT: "assistant"}
 
@@ -26,14 +25,16 @@ class Resolved:
     return_codes: bool
 
 
-def _sampling(msg: omni_pb2.SamplingParams, defaults: SamplingDefaults, limit: int, where: str,
+def _sampling(msg: omni_pb2.SamplingParams, defaults: dict, limit: int, where: str,
               stop_ids: tuple[int, ...] = ()) -> SamplingParams:
-    temperature = msg.temperature if msg.HasField("temperature") else defaults.temperature
-    top_p = msg.top_p if msg.HasField("top_p") else defaults.top_p
-    top_k = msg.top_k if msg.HasField("top_k") else defaults.top_k
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens
+    """`msg` over the model's `defaults` (temperature, top_p, top_k, repetition_penalty); at most `limit` tokens,
+    which is also the default."""
+    temperature = msg.temperature if msg.HasField("temperature") else defaults["temperature"]
+    top_p = msg.top_p if msg.HasField("top_p") else defaults["top_p"]
+    top_k = msg.top_k if msg.HasField("top_k") else defaults["top_k"]
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else limit
     min_tokens = msg.min_tokens if msg.HasField("min_tokens") else 0
-    penalty = msg.repetition_penalty if msg.HasField("repetition_penalty") else defaults.repetition_penalty
+    penalty = msg.repetition_penalty if msg.HasField("repetition_penalty") else defaults["repetition_penalty"]
     if not temperature >= 0:
         raise InvalidArgument(f"{where}.temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
@@ -55,8 +56,8 @@ def _sampling(msg: omni_pb2.SamplingParams, defaults: SamplingDefaults, limit: i
     )
 
 
-def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, thinker_defaults: SamplingDefaults,
-            talker_defaults: SamplingDefaults, talker_available: bool, check_text) -> Resolved:
+def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, talker_available: bool,
+            check_text) -> Resolved:
     if not req.messages:
         raise InvalidArgument("messages is empty")
     messages, media = [], []
@@ -93,8 +94,9 @@ def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, think
     for j, s in enumerate(req.sampling.stop):
         if not s:
             raise InvalidArgument(f"sampling.stop[{j}] is empty")
-    thinker = _sampling(req.sampling, thinker_defaults, limits.max_new_tokens, "sampling", stop_ids)
-    talker = _sampling(req.talker_sampling, talker_defaults, limits.max_talker_frames, "talker_sampling") if want_audio else None
+    thinker = _sampling(req.sampling, spec.thinker_sampling, limits.max_new_tokens, "sampling", stop_ids)
+    talker = (_sampling(req.talker_sampling, spec.talker_sampling, limits.max_talker_frames, "talker_sampling")
+              if want_audio else None)
     if req.audio_format not in (omni_pb2.AUDIO_FORMAT_UNSPECIFIED, omni_pb2.AUDIO_FORMAT_PCM16, omni_pb2.AUDIO_FORMAT_WAV):
         raise InvalidArgument(f"unknown audio_format {req.audio_format}")
     return Resolved(messages, media, omni_pb2.MODALITY_TEXT in modalities, want_audio, voice, thinker, talker,

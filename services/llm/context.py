@@ -7,8 +7,7 @@ from dataclasses import dataclass
 @dataclass
 class Context:
     attention: object = None  # a planned attention backend (services/llm/attention.py)
-    moe_backend: str = "loop"
-    triton_linear: bool = False  # steps of few rows project through triton_linear where it takes the weight's shape
+    moe_backend: str = "loop"  # services/llm/moe.py
 
 
 _CONTEXT = Context()
@@ -19,9 +18,9 @@ def get_context() -> Context:
 
 
 @contextmanager
-def step_context(attention, moe_backend: str, triton_linear: bool = False):
+def step_context(attention, moe_backend: str):
     global _CONTEXT
-    _CONTEXT = Context(attention, moe_backend, triton_linear)
+    _CONTEXT = Context(attention, moe_backend)
     try:
         yield _CONTEXT
     finally:

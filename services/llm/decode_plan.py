@@ -152,18 +152,15 @@ class KeptPlan:
     """Whether a direct decode plan would give the schedule the last one gave, so it need not run (nor its copy to
     the device). flashinfer 0.6.13's scheduler (PrefillSplitQOKVIndptr, fa2, CUDA-graph mode, one query tile a row:
     at most 16 query heads a KV head) reads nothing of a row but its page count, and the kernels read each row's
-    length from the page table the step sends:
-    - unsplit, a row is one tile at any length: every plan of the graph is the same;
-    - split, the plan takes the smallest chunk of C pages (a binary search) whose tiles, the sum of ceil(pages / C),
-      fit `max_tiles` (two CTAs a multiprocessor, per KV head), and cuts each row into its tiles. Where every row
-      has at least the pages it had at the last plan and the same tiles at that C, C still fits and no smaller
-      chunk does (a row's tiles at a chunk never fall as it grows): the search ends at C again, the tiles are
-      the same, and so is everything the plan writes.
-    At 32 requests C is about half a row's pages, and moves as the rows grow: over 256 decode steps of 32 requests
-    from 512 tokens, 10 plans ran, not 259 (bench/results/hostprof-1xh200-bf16-kept-b32-*.json)."""
+    length from the page table the step sends. The plan takes the smallest chunk of C pages (a binary search) whose
+    tiles, the sum of ceil(pages / C), fit `max_tiles` (two CTAs a multiprocessor, per KV head), and cuts each row
+    into its tiles. Where every row has at least the pages it had at the last plan and the same tiles at that C, C
+    still fits and no smaller chunk does (a row's tiles at a chunk never fall as it grows): the search ends at C
+    again, the tiles are the same, and so is everything the plan writes. C moves only as the rows grow past it, so
+    a decode loop runs a plan every few dozen steps."""
 
-    def __init__(self, max_tiles: int, split: bool):
-        self.max_tiles, self.split = max_tiles, split
+    def __init__(self, max_tiles: int):
+        self.max_tiles = max_tiles
         self.pages = self.tiles = None  # at the last plan
         self.chunk = 0
         self.kept = self.plans = 0
@@ -173,15 +170,15 @@ class KeptPlan:
 
     def keeps(self, pages: np.ndarray) -> bool:
         p = self.pages
-        same = (p is not None and len(pages) == len(p)
-                and (not self.split or ((pages >= p).all() and np.array_equal(-(-pages // self.chunk), self.tiles))))
+        same = (p is not None and len(pages) == len(p) and (pages >= p).all()
+                and np.array_equal(-(-pages // self.chunk), self.tiles))
         self.kept += same
         return same
 
     def grows(self, pages: list[int]) -> bool:
         """Whether rows that had `pages` pages at the last check, now each one page longer (every other row as it
-        was), give the same schedule: unsplit, always; split, where none of them began a chunk anew (p % chunk)."""
-        same = self.pages is not None and (not self.split or all(p % self.chunk for p in pages))
+        was), give the same schedule: where none of them began a chunk anew (p % chunk)."""
+        same = self.pages is not None and all(p % self.chunk for p in pages)
         self.kept += same
         return same
 
@@ -189,10 +186,9 @@ class KeptPlan:
         """A plan ran for rows of `pages`, choosing chunks of `chunk` pages."""
         self.plans += 1
         self.pages, self.chunk = pages, chunk
-        if self.split:
-            self.tiles = -(-pages // chunk) if chunk > 0 else None
-            if self.tiles is None or self.tiles.sum() > self.max_tiles:  # not the search's answer: not kept
-                self.pages = None
+        self.tiles = -(-pages // chunk) if chunk > 0 else None
+        if self.tiles is None or self.tiles.sum() > self.max_tiles:  # not the search's answer: not kept
+            self.pages = None
 
 
 class PlanCopy:

@@ -108,30 +108,22 @@ class FlashInferAttention(_Writer):
         return self.wrapper.run(q, self.write(layer, k, v, written), out=out)
 
 
-def split_kv(batch: int, max_batch: int) -> bool:
-    """Whether a decode graph of `batch` sequences splits their keys (`decode_split_kv_max_batch`: -1 always)."""
-    return max_batch < 0 or batch <= max_batch
-
-
 class DecodeAttention(_Writer):
     """One token per sequence for exactly `batch` sequences (rows past the real ones are padding: they write
-    to and read from `scratch_block`, which no sequence owns).
+    to and read from `scratch_block`, which no sequence owns), on flashinfer's tensor-core kernels, which in a
+    graph split each sequence's keys over several CTAs and merge their partial outputs after.
 
-    On the tensor-core kernels in a graph, flashinfer always splits each sequence's keys over several CTAs (as
-    many as fill the GPU at any length the graph may meet) and merges their partial outputs after; `split_kv`
-    off gives each sequence and KV head one CTA over all its keys, and no merge: fewer launches and reads where
-    the batch alone fills the GPU, a long serial CTA where it does not."""
+    Planned directly (flashinfer DIRECT_PLAN_VERSION, after one plan through the wrapper has chosen its module),
+    the page table goes by the caller's one copy and the module's plan is called as the wrapper would call it,
+    its checks, conversions and copies skipped; a plan whose schedule would not change is not run (KeptPlan)."""
 
     def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor,
-                 tensor_cores: bool = True, split_kv: bool = True, direct_plan: bool = False,
-                 staging: Staging | None = None, offset: int = 0, keep_plans: bool = False):
-        if not (split_kv or tensor_cores):
-            raise ValueError("only flashinfer's tensor-core decode can be planned without splitting the keys")
+                 staging: Staging | None = None, offset: int = 0):
         import flashinfer
 
         quick_max(flashinfer.decode, flashinfer.prefill)  # their plan()s' max over the sequences' lengths
         super().__init__(cache)
-        self.scale, self.heads, self.batch, self.scratch, self.split_kv = scale, heads, batch, scratch_block, split_kv
+        self.scale, self.heads, self.batch, self.scratch = scale, heads, batch, scratch_block
         dev = cache.k.device
         # The new tokens' KV slots and the page table's three arrays (indptr, last pages' lengths, page ids) side by
         # side in one buffer, at `offset` of a Staging: the slots go by its one copy a step, the page table too where
@@ -150,14 +142,13 @@ class DecodeAttention(_Writer):
                        buf[offset + 8 * batch:offset + self.nbytes(batch, cache)].view(np.int32)) for buf in self.table.buffers]
         self.pages = DecodePages()
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=self.indptr,
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=self.indptr,
             paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last)
-        self.direct_plan = direct_plan and tensor_cores and getattr(flashinfer, "__version__", "") == DIRECT_PLAN_VERSION
+        self.direct_plan = getattr(flashinfer, "__version__", "") == DIRECT_PLAN_VERSION
         self._planned_once = False
         self.copy = PlanCopy(dev)
         kv_heads = cache.k.shape[3]  # plans kept only where they are direct: KeptPlan reads the direct plan's schedule
-        self.kept = (KeptPlan(2 * sm_count(dev) // kv_heads, split_kv)
-                     if keep_plans and self.direct_plan and heads // kv_heads <= 16 else None)
+        self.kept = KeptPlan(2 * sm_count(dev) // kv_heads) if self.direct_plan and heads // kv_heads <= 16 else None
         self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
         self._last_plan: DecodeTable | None = None
         # The table (and its version) whose page pointers and ids each staging buffer holds, and the one the kept plan
@@ -212,8 +203,7 @@ class DecodeAttention(_Writer):
             self.copy.wait()
             self.wrapper.plan(pinned(t.indptr, torch.int32), pages, pinned(t.last, torch.int32),
                               self.heads, kv_heads, head_dim, bs, q_data_type=self.cache.k.dtype,
-                              kv_data_type=self.cache.k.dtype, sm_scale=self.scale,
-                              **({} if self.split_kv else {"disable_split_kv": True}))
+                              kv_data_type=self.cache.k.dtype, sm_scale=self.scale)
             self.copy.record()
             self._planned_once = True
             self.sent = self.offset + 8 * b
@@ -222,11 +212,9 @@ class DecodeAttention(_Writer):
         return self
 
     def _direct(self, t: "DecodeTable", kv_heads: int, head_dim: int, bs: int) -> bool:
-        """The plan without flashinfer's wrapper (`direct_plan`, flashinfer DIRECT_PLAN_VERSION's fa2 tensor-core
-        path, after one plan through the wrapper has chosen its module): the page table goes by the Staging (plan()
-        wrote it into the staging buffer), and the module's plan is called with the arguments the wrapper's plan
-        gives it, its checks, conversions and three copies skipped. False where it does not apply (the wrapper's
-        plan then runs)."""
+        """The plan without flashinfer's wrapper (its fa2 tensor-core path): the page table goes by the Staging
+        (plan() wrote it into the staging buffer), and the module's plan is called with the arguments the wrapper's
+        plan gives it. False where it does not apply (the wrapper's plan then runs)."""
         w = self.wrapper
         if not (self.direct_plan and w._backend == "fa2" and w._jit_module is None and w.is_cuda_graph_enabled):
             return False
@@ -251,7 +239,7 @@ class DecodeAttention(_Writer):
         w._plan_info = w._cached_module.plan(
             w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer, self._qo_indptr,
             torch.from_numpy(t.indptr), torch.from_numpy(t.kv_lens), b, b, self.heads, kv_heads, bs, True, head_dim,
-            head_dim, False, -1, -1, not self.split_kv, 0)
+            head_dim, False, -1, -1, False, 0)
         self.copy.record()
         if self.kept is not None:  # the chunk of keys it chose (tokens), from its schedule's pinned copy
             at = int(w._plan_info[CHUNK_OFFSET])

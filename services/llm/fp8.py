@@ -11,8 +11,8 @@ from torch import nn
 
 from services.llm import triton_moe
 from services.llm.context import get_context
-from services.llm.layers import Experts
-from services.llm.moe import TRITON, by_expert, combine, moe_experts, take
+from services.llm.fusion import fusable
+from services.llm.moe import Experts, by_expert, combine, decode_kernels, moe_experts, take
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -71,14 +71,13 @@ class Fp8Experts(nn.Module):
     """The experts of one layer in fp8, with their scales; same call as `Experts`."""
 
     def __init__(self, experts: Experts, block: int | None, stored: tuple[torch.Tensor, ...] | None = None,
-                 activations: bool = False, fused_quant: bool = False):
+                 activations: bool = False):
         """Quantises `experts`; or, with `stored` (gate_up, its scales, down, its scales: a block-fp8
         checkpoint's own values, services.model.load.read_fp8_experts), takes those as they are. With
         `activations`, decode steps through the Triton kernels take the experts' inputs in e4m3 too (per token
-        and 128 channels, triton_moe.quantize_groups) and multiply on fp8 tensor cores; with `fused_quant` the
-        down projection's input is quantised by the gate/up kernel (triton_moe.experts)."""
+        and 128 channels, triton_moe.quantize_groups) and multiply on fp8 tensor cores."""
         super().__init__()
-        self.block, self.activations, self.fused_quant = block, activations, fused_quant
+        self.block, self.activations = block, activations
         for i, name in enumerate(("gate_up_proj", "down_proj")):
             weight = getattr(experts, name)
             if stored is None:
@@ -92,16 +91,12 @@ class Fp8Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         backend = get_context().moe_backend
-        if x.is_cuda and backend in TRITON and x.shape[0] <= triton_moe.MAX_TOKENS:
+        if decode_kernels(backend, x):
             return triton_moe.experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
-                                      self.down_proj_scale, self.block, residual, self.activations, self.fused_quant)
-        if (x.is_cuda and backend == "triton_sorted" and self.block is None and not self.activations
-                and x.shape[0] <= triton_moe.SORTED_MAX_TOKENS):
-            return triton_moe.experts_sorted(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
-                                             self.down_proj_scale, residual)
-        if x.is_cuda and backend in ("grouped", *TRITON) and self.block is None:
+                                      self.down_proj_scale, self.block, residual, self.activations)
+        if x.is_cuda and backend in ("grouped", "triton") and self.block is None:
             out = self.grouped(x, ids, weights)
-        elif x.is_cuda and backend in TRITON:  # a long step (prefill): every expert's tiles dequantised once, bf16 grouped GEMM
+        elif x.is_cuda and backend == "triton":  # a long step (prefill): every expert's tiles dequantised once, bf16 grouped GEMM
             gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, self.block, x.dtype)
             down = dequantize(self.down_proj, self.down_proj_scale, self.block, x.dtype)
             out = moe_experts(x, ids, weights, gate_up, down, "grouped")
@@ -110,7 +105,7 @@ class Fp8Experts(nn.Module):
         return out if residual is None else out + residual
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return OPS["grouped"](x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale)
+        return grouped(x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale)
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Per-token fp8 activations and dequantised weights through the experts loop (any device)."""
@@ -127,10 +122,10 @@ class Fp8Experts(nn.Module):
         return out
 
 
-def fp8_layout(fp8_experts: str, model_dir, load_format: str, component: str) -> tuple[int | None, dict | None]:
-    """(block, stored experts) for quantize_experts_ from the config's `fp8_experts`: per channel; in 128 x 128
-    tiles; or, from a block-fp8 checkpoint with `block`, in the checkpoint's own tiles and values."""
-    if fp8_experts != "block":
+def fp8_layout(fp8: str, model_dir, load_format: str, component: str) -> tuple[int | None, dict | None]:
+    """(block, stored experts) for quantize_experts_ from the config's `fp8`: per channel; in 128 x 128 tiles; or,
+    from a block-fp8 checkpoint with `block`, in the checkpoint's own tiles and values."""
+    if fp8 != "block":
         return None, None
     from services.model.load import checkpoint_fp8_block, read_fp8_experts
 
@@ -140,8 +135,8 @@ def fp8_layout(fp8_experts: str, model_dir, load_format: str, component: str) ->
     return tile, read_fp8_experts(model_dir, component, tile)
 
 
-def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict | None = None, activations: bool = False,
-                      fused_quant: bool = False) -> int:
+def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict | None = None,
+                      activations: bool = False) -> int:
     """Swaps every experts module of `model` for its fp8 version, in place; returns how many it swapped.
     `stored` (read_fp8_experts of a checkpoint in `block` tiles, by experts-module name) gives the values of
     those it covers as the checkpoint has them, not quantised again."""
@@ -149,11 +144,12 @@ def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict |
     for name, module in list(model.named_modules()):
         if isinstance(getattr(module, "experts", None), Experts):
             key = f"{name}.experts" if name else "experts"
-            module.experts = Fp8Experts(module.experts, block, (stored or {}).get(key), activations, fused_quant)
+            module.experts = Fp8Experts(module.experts, block, (stored or {}).get(key), activations)
             swapped += 1
     return swapped
 
 
+@fusable
 def grouped(x, ids, weights, gate_up, gate_up_scale, down, down_scale) -> torch.Tensor:
     """fp8 x fp8 grouped GEMMs with per-token and per-channel scales (torch._scaled_grouped_mm, GPU); no
     host sync, so it runs inside captured graphs."""
@@ -169,4 +165,3 @@ def grouped(x, ids, weights, gate_up, gate_up_scale, down, down_scale) -> torch.
     return combine(y, order, weights, x.dtype)
 
 
-OPS = {"grouped": grouped}  # services.llm.layers.fuse() compiles it: the activations' quantisation fused

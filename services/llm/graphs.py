@@ -1,23 +1,13 @@
-"""Steps as CUDA graphs: one graph per batch size of a ladder, all sharing one memory pool.
+"""CUDA graphs: each recorded once from a body over static inputs, replayed by key, all of a runner in one pool.
 
-The engine owns the static inputs (token ids, positions, per-row sampling settings, ...) and a
-`body(batch)` that reads them and returns the step's outputs; capture records body() once per size,
-largest first. A step of n rows replays the smallest captured size >= n: the engine fills the first n
-rows of its inputs (the rest is padding: inputs that touch nothing a real row reads, such as a scratch KV
-block), prepares whatever the graph reads besides (an attention plan), replays, and reads the first n
-rows of the outputs before the next replay overwrites them.
+A body reads buffers whose addresses never change (filled by the caller before each replay) and returns its
+outputs; a replay returns those same tensors, valid until that graph's next replay. A batch of n rows replays
+the graph of the smallest size >= n of a ladder, its padding rows touching only what no real row reads.
 """
 
-import itertools
-import time
 from typing import Callable
 
 import torch
-
-# A folder for each captured graph's DOT (cudaGraphDebugDotPrint), named by capture and batch size: set by
-# bench.graph_launch before an engine is made, to see what its graphs are made of. None: nothing kept.
-DUMP_DIR: str | None = None
-_captures = itertools.count()
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -29,61 +19,73 @@ def ladder(max_batch: int) -> list[int]:
     return sizes
 
 
-class CapturedGraphs:
-    @torch.no_grad()  # a recorded step never builds an autograd graph (nor a compiled variant that would)
-    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device, copies: int = 1):
-        # `copies`: each size recorded that many times, replayed in turn, so a launch never relaunches the executable
-        # of the last `copies - 1` launches. One launch behind a running replay of itself waited no longer than from
-        # an idle device, and two copies gave the same tok/s (bench/results/graph-launch-1xh200-thinker-eecd411.json,
-        # thinker-1xh200-*-copies-*-eecd411.json); but the thinker's decode graph relaunched in a steady loop took
-        # 0.24 ms a launch in one run (relaunch-1xh200-bf16-b32-partial-494db8d.txt). Outputs are each copy's own.
-        if copies < 1:
-            raise ValueError(f"copies must be at least 1, not {copies}")
-        self.sizes = sorted(sizes)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # size -> (graph, outputs): the first copy
-        self.copies: dict[int, list[tuple[torch.cuda.CUDAGraph, tuple]]] = {}  # size -> every copy, in turn
-        self._turn: dict[int, int] = {}
+def token_ladder(max_tokens: int) -> list[int]:
+    """16, 32, 48, 64, then 96, 128, 192, 256, ... (x1.5, x4/3), and `max_tokens` itself: a step pads at most
+    half its tokens, where short steps are cheap on the device."""
+    sizes, b = [], 16
+    while b < max_tokens:
+        sizes.append(b)
+        b = b + 16 if b < 64 else (b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3)
+    return sizes + [max_tokens]
+
+
+class Graphs:
+    """Graphs by key. `while_serving`: captured while other threads of the process use the GPU (on other streams),
+    which a capture in CUDA's global mode would refuse."""
+
+    def __init__(self, device: torch.device, while_serving: bool = False):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.mode = "thread_local" if while_serving else "global"
+        self.pool = None
+        self.graphs: dict = {}
         self.replays = 0
-        self.launch_s = 0.0  # the host's time in replay() so far: launching, and any wait the driver makes it do
-        pool = None
-        stream = torch.cuda.Stream(device)
-        self.capture = capture = next(_captures)  # which capture of this process (the DOTs' names)
-        for b in sorted(sizes, reverse=True):
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the graph: kernels chosen, workspaces allocated
-                    body(b)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            for c in range(copies):
-                graph = torch.cuda.CUDAGraph(keep_graph=DUMP_DIR is not None and c == 0)  # kept to be dumped
-                if DUMP_DIR is not None and c == 0:
-                    graph.enable_debug_mode()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    outputs = body(b)
-                if DUMP_DIR is not None and c == 0:
-                    graph.debug_dump(f"{DUMP_DIR}/graphs{capture}-b{b}.dot")
-                    graph.instantiate()
-                pool = graph.pool()
-                self.copies.setdefault(b, []).append((graph, outputs))
-            self.graphs[b], self._turn[b] = self.copies[b][0], 0
+
+    def __contains__(self, key) -> bool:
+        return key in self.graphs
+
+    @torch.no_grad()  # a recorded body never builds an autograd graph (nor a compiled variant that would)
+    def capture(self, key, body: Callable[[], tuple]) -> None:
+        """Records `body` as the graph of `key`, after two runs outside it (kernels chosen, workspaces allocated)."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                body()
+        current.wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=self.mode):
+            outputs = body()
+        self.pool = graph.pool()
+        self.graphs[key] = graph, outputs
+
+    def replay(self, key):
+        graph, outputs = self.graphs[key]
+        graph.replay()
+        self.replays += 1
+        return outputs
+
+
+class Ladder:
+    """`body(b)` recorded for every batch size b of `sizes`, largest first (the pool then fits every smaller one)."""
+
+    def __init__(self, sizes: list[int], body: Callable[[int], tuple], device: torch.device):
+        self.sizes = sorted(sizes)
+        self.graphs = Graphs(device)
+        for b in reversed(self.sizes):
+            self.graphs.capture(b, lambda b=b: body(b))
         torch.cuda.synchronize(device)
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
+    @property
+    def replays(self) -> int:
+        return self.graphs.replays
+
     def size_for(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def replay(self, b: int) -> tuple:
-        """Runs the graph of size `b` (inputs filled, plans made), the next of its copies; its outputs, valid until
-        that copy's next replay (at least until the next replay)."""
-        copies = self.copies[b]
-        turn = self._turn[b]
-        graph, outputs = copies[turn]
-        self._turn[b] = (turn + 1) % len(copies)
-        t0 = time.perf_counter()
-        graph.replay()
-        self.launch_s += time.perf_counter() - t0
-        self.replays += 1
-        return outputs
+    def replay(self, b: int):
+        return self.graphs.replay(b)

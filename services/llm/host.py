@@ -11,9 +11,8 @@ import time
 import numpy as np
 import torch
 
-# Host lists become tensors through numpy: torch.tensor() converts element by element, 3.5 times slower for a
-# decode step's page ids at 32 requests of 2k tokens (4,096 of them: 347 us against 100 on the development machine's
-# CPU, bench/results/host-lists-cpu-3af9a3e.json; `python -m bench.host_lists` measures it on a GPU host, pinned).
+# Host lists become tensors through numpy: torch.tensor() converts element by element, several times slower for a
+# decode step's thousands of page ids.
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8,
           torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}
 
@@ -65,20 +64,6 @@ def scalar(value, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
-def wait(event, spin: bool) -> None:
-    """Returns once the device has reached `event` (a CUDA event). `spin`: by polling it, the interpreter lock held
-    between polls (the interpreter hands it to a thread that asks at its switch interval, as it would from any
-    work of this thread's); otherwise blocked in the driver with the lock released. One run polling every wait
-    took the thinker's host step at 32 requests to 0.53 ms (bench/results/README.md, "Session 20"); session 21's
-    A/B of this form found no gain in either engine (0.92-1.43 ms polled, 0.69-1.79 asleep), so both configs
-    leave it off (`spin_wait`)."""
-    if spin:
-        while not event.query():
-            pass
-    else:
-        event.synchronize()
-
-
 def mark(device: torch.device):
     """A point on the device's timeline: a CUDA event recorded on `device`'s current stream on a GPU (named: a
     thread's current device may be another GPU), the host's clock elsewhere (where the work between two marks is
@@ -94,10 +79,10 @@ def reached(m) -> bool:
     return not hasattr(m, "query") or m.query()
 
 
-def wait_for(m, spin: bool = False) -> None:
-    """Until the device reaches the mark `m` (nothing to wait for off a GPU); `spin`: polling (host.wait)."""
+def wait_for(m) -> None:
+    """Until the device reaches the mark `m` (nothing to wait for off a GPU)."""
     if hasattr(m, "synchronize"):
-        wait(m, spin)
+        m.synchronize()
 
 
 def seconds_between(a, b) -> float:

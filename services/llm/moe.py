@@ -1,34 +1,49 @@
-"""Routed experts of a MoE layer, three ways: the loop over experts that transformers runs (the reference,
-in its order of summation), a grouped GEMM over tokens sorted by expert (one launch per projection), and
-for the few tokens of a decode step Triton kernels that stream each touched expert once (triton_moe.py;
-with `triton_sorted`, longer steps too, their rows grouped by expert first)."""
+"""Routed experts of a MoE layer, three ways (the step context's `moe_backend`): the loop over experts that
+transformers runs (the reference, in its order of summation), a grouped GEMM over tokens sorted by expert (one
+launch per projection), and for the few tokens of a decode step Triton kernels that stream each touched expert
+once (triton_moe.py), the grouped GEMM for longer steps."""
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from services.llm import triton_moe
+from services.llm import triton_moe, triton_route
+from services.llm.context import get_context
+from services.llm.fusion import fusable
 
 
-TRITON = ("triton", "triton_sorted")  # backends whose decode-sized steps run the Triton kernels
+BACKENDS = ("loop", "grouped", "triton")
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """`auto`: the Triton kernels on a GPU, the reference loop elsewhere."""
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "loop"
+    if backend not in BACKENDS:
+        raise ValueError(f"moe must be auto or one of {BACKENDS}, not {backend!r}")
+    return backend
+
+
+def decode_kernels(backend: str, x: torch.Tensor) -> bool:
+    """Whether a step of `x`'s rows runs the Triton kernels (routing and experts)."""
+    return backend == "triton" and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 backend: str = "loop", residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H], plus `residual` if given."""
-    if backend in TRITON and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS:
+    if decode_kernels(backend, x):
         return triton_moe.experts(x, ids, weights, gate_up, down, residual=residual)
-    if backend == "triton_sorted" and x.is_cuda and x.shape[0] <= triton_moe.SORTED_MAX_TOKENS:
-        return triton_moe.experts_sorted(x, ids, weights, gate_up, down, residual=residual)
-    if backend in ("grouped", *TRITON):  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
-        out = (OPS["grouped"] if x.dtype == torch.bfloat16 else grouped)(x, ids, weights, gate_up, down)
+    if backend in ("grouped", "triton"):  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
+        out = (grouped if x.dtype == torch.bfloat16 else grouped.plain)(x, ids, weights, gate_up, down)
     else:
         out = loop(x, ids, weights, gate_up, down)
     return out if residual is None else out + residual
 
 
-def capturable(backend: str, fp8_experts: str = "off") -> bool:
+def capturable(backend: str, fp8: str = "off") -> bool:
     """Whether a decode step's experts run without asking the device for sizes, so a CUDA graph can hold them."""
-    return backend in TRITON or (backend == "grouped" and fp8_experts != "block")
+    return backend == "triton" or (backend == "grouped" and fp8 != "block")
 
 
 def loop(x, ids, weights, gate_up, down):
@@ -58,13 +73,12 @@ def by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tens
 
 @torch.compiler.disable
 def take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows[index] by ATen's gather kernel, kept out of compiled code. Inductor's own gather of the routed rows
-    (2,048 tokens, top 8 of 128: 16,384 rows of 2,048) took 290 us in fp8, the quantisation folded into it, where
-    this takes 12; a layer at that size 0.85 ms instead of 1.11 in fp8, 0.99 instead of 1.21 in bf16
-    (bench/gather.py)."""
+    """rows[index] by ATen's gather kernel, kept out of compiled code, where inductor's own gather of the routed
+    rows (with fp8's quantisation folded in) is many times slower."""
     return rows.index_select(0, index)
 
 
+@fusable
 def grouped(x, ids, weights, gate_up, down):
     n, k = ids.shape
     order, offs = by_expert(ids, gate_up.shape[0])  # rows grouped by expert: T*k rows, E groups
@@ -84,4 +98,51 @@ def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: 
     return (rows.view(n, k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
 
 
-OPS = {"grouped": grouped}  # services.llm.layers.fuse() compiles it
+@fusable
+def route(x, gate_w, top_k: int, norm_topk: bool):
+    """Top-k experts per token and their weights (renormalised when `norm_topk`), in x's dtype."""
+    logits = F.linear(x, gate_w)  # [N, E]
+    probs = logits.softmax(-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k]
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights.to(logits.dtype)
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+
+
+class Experts(nn.Module):
+    """All experts of a layer: gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' fused layout)."""
+
+    def __init__(self, hidden: int, experts: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, get_context().moe_backend, residual)
+
+
+class SparseMoE(nn.Module):
+    """Top-k of E experts per token, the chosen weights renormalised when the config's `norm_topk_prob`."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        self.experts = Experts(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size)
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def routed(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' output, plus `residual` when given (the experts' kernels add it for free)."""
+        if decode_kernels(get_context().moe_backend, x):
+            ids, weights = triton_route.route(x, self.gate.weight, self.top_k, self.norm_topk)  # two kernels, not five
+        else:
+            ids, weights = route(x, self.gate.weight, self.top_k, self.norm_topk)
+        return self.experts(x, ids, weights, residual)  # a module: quantisation swaps it (services/llm/fp8.py)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.routed(x, residual)

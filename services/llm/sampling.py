@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.llm.fusion import fusable
 from services.llm.host import scalar, upload
 
 
@@ -80,12 +81,9 @@ def _padded(histories: list, device) -> torch.Tensor:
 
 
 CANDIDATES = 64  # the best logits a captured step's own draw chooses among (sample_tensors' k there)
-# Vocabularies up to this size (the talker's 3,072 codes, the code predictor's 2,048) find their candidates with one
-# stable sort of each row (ATen sorts rows this short in place), where a top-k and the two sorts that put its ties
-# in id order took 0.67 ms of a frame step's 6.4 ms of kernels at 32 requests on an H200, 16 draws a frame
-# (bench/results/profile-1xh200-talker-b32-acc04a2.txt); not yet measured. The thinker's 152k-token rows keep the
-# top-k. Either way the candidates are the best k, equal logits in id order; only where a run of equal logits
-# crosses rank k may the top-k keep others of the run than the sort.
+# Vocabularies up to this size (the talker's codes, the code predictor's) find their candidates with one stable sort
+# of each row, cheaper there than a top-k and the two sorts that put its ties in id order; the thinker's 152k-token
+# rows keep the top-k. Either way the candidates are the best k, equal logits in id order.
 SORTED_VOCAB = 4096
 
 
@@ -102,27 +100,24 @@ def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) 
     return -u.log()
 
 
+@fusable
 def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   seeds: torch.Tensor, counters: torch.Tensor, k: int, generator: bool = True) -> torch.Tensor:
+                   seeds: torch.Tensor, counters: torch.Tensor, k: int) -> torch.Tensor:
     """sample_batch's draw with every per-row setting a tensor [B] and no decision on the host, so a graph
     can hold it: greedy where temps == 0, else a draw from the row's best top_k (at most `k`) within top_p,
     from noise hashed from (seed, counter) where seed != 0 and from torch's generator elsewhere. A row gets
-    the token sample_batch gives it for the same settings. `generator` off: every row's noise hashed (the caller
-    gives each row a seed), so a graph holding the draw holds no generator state: torch fills that state before
-    each replay of a graph that does, two kernels a replay."""
+    the token sample_batch gives it for the same settings."""
     logits = logits.float()
     probs, order = _candidates(logits, torch.where(temps > 0, temps, 1.0), top_k, top_p, k)
     noise = hashed_exponential(seeds, counters, k)
-    if generator:
-        noise = torch.where(seeds[:, None] != 0, noise, torch.empty_like(probs).exponential_())
+    noise = torch.where(seeds[:, None] != 0, noise, torch.empty_like(probs).exponential_())
     return torch.where(temps > 0, _race(probs, order, noise), argmax_rows(logits))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) of [B, V] (the first of equal maxima), in two reductions where V splits into 256 equal
-    chunks: each chunk's max, then the first chunk holding the row's. Compiled as one reduction over whole rows, it
-    took 64 us a decode step at 32 requests (bench/results/profile-1xh200-b32-decode-fp8a8-acc04a2.txt): 10 MB
-    of bf16 logits read at 3% of the GPU's bandwidth, as if by a program a row on a GPU of 132 SMs."""
+    chunks: each chunk's max, then the first chunk holding the row's. Compiled as one reduction over whole rows,
+    it reads a decode step's logits with one program a row, far under the GPU's bandwidth."""
     b, v = x.shape
     if v < 1 << 14 or v % 256:
         return x.argmax(-1)
@@ -141,7 +136,6 @@ def tensor_drawable(p: SamplingParams, generated: int, k: int = CANDIDATES) -> b
             and (p.temperature == 0 or 0 < p.top_k < k))
 
 
-OPS = {"sample_tensors": sample_tensors}  # services.llm.layers.fuse() compiles it: its tens of small kernels become a few
 
 
 def _candidates(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int):

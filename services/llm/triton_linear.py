@@ -113,9 +113,8 @@ if triton is not None:
         return x.new_empty((tiles(n, k)["split"], x.shape[0], n), dtype=torch.float32)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, few_rows: bool) -> torch.Tensor:
-    """F.linear(x, w) in x's dtype; with `few_rows` (a step's choice: the `triton_linear` setting) and where `usable`,
-    through the partial sums, summed in float32 and rounded once."""
-    if few_rows and usable(x, w):
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) in x's dtype; where `usable`, through the partial sums, summed in float32 and rounded once."""
+    if usable(x, w):
         return torch.ops.omni.linear_partials(x, w).sum(0).to(x.dtype)
     return torch.nn.functional.linear(x, w)

@@ -38,10 +38,8 @@ except ImportError:  # CPU installs without triton: the grouped GEMM and the loo
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 # Steps of up to this many tokens run these kernels with `moe: triton`; longer ones (prefill) the grouped GEMM,
-# which catches up once every expert has many rows (bench/results/moe-1xh200.json: a tie at 128 tokens), or with
-# `moe: triton_sorted` the sorted kernels (`experts_sorted`) up to SORTED_MAX_TOKENS, the grouped GEMM beyond.
+# which catches up once every expert has many rows.
 MAX_TOKENS = 64
-SORTED_MAX_TOKENS = 4096
 COMBINE_BLOCK = 128  # hidden columns per combining program
 
 
@@ -61,20 +59,13 @@ if triton is not None:
         return rows, slot < count, block * BLOCK_M < count
 
     @triton.jit
-    def _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, SORTED: tl.constexpr, COMPACT: tl.constexpr):
-        """This program's expert, its rows, their mask and whether it has any: found in the step's ids
-        (`_expert_rows`, a decode step), or with SORTED read from `align`'s blocks (a longer step: BLOCK_M rows
-        of one expert, the sentinel R past its last; blocks past the groups' own name expert E). COMPACT (fewer
-        routed rows than experts): one program per routed row rather than per expert, taking the row's expert
-        if no earlier row chose it (and every row that did), so no program is started for an unchosen expert."""
-        if SORTED:
-            b = tl.program_id(0)
-            e = tl.load(block_expert_ptr + b)
-            rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-            m_mask = rows < R
-            any_rows = e < E
-        elif COMPACT:
+    def _program_rows(ids_ptr, R, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      COMPACT: tl.constexpr):
+        """This program's expert, its rows, their mask and whether it has any, found in the step's ids
+        (`_expert_rows`). COMPACT (fewer routed rows than experts): one program per routed row rather than per
+        expert, taking the row's expert if no earlier row chose it (and every row that did), so no program is
+        started for an unchosen expert."""
+        if COMPACT:
             first = tl.program_id(0) // M_BLOCKS
             e = tl.load(ids_ptr + first)
             offs_r = tl.arange(0, R_PAD)
@@ -123,17 +114,13 @@ if triton is not None:
         return v.to(DOT)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, out_ptr, out_s_ptr, R, E,
-                        H: tl.constexpr, I: tl.constexpr, K_ROUTED: tl.constexpr, stride_x, stride_xs, stride_we, stride_wn,
-                        stride_se, stride_sn, stride_out, stride_out_s, SCALE: tl.constexpr, DOT: tl.constexpr,
-                        A8: tl.constexpr, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr, SORTED: tl.constexpr,
-                        COMPACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        QUANT_OUT: tl.constexpr = False, GRID_ROUND: tl.constexpr = False):
-        """silu(gate) * up of each routed row, into `out` [R, I] in its dtype; with QUANT_OUT (BLOCK_N 128: a
-        program's columns are one scale group) in e4m3 with a float32 scale per row and group into `out_s`
-        [R, I / 128], as quantize_groups gives from the bf16 values, so no kernel of its own does that."""
-        e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
-                                                  SORTED, COMPACT)
+    def _gate_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, R, H: tl.constexpr, I: tl.constexpr,
+                        K_ROUTED: tl.constexpr, stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+                        SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
+                        M_BLOCKS: tl.constexpr, COMPACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """silu(gate) * up of each routed row, into `out` [R, I] in its dtype."""
+        e, rows, m_mask, any_rows = _program_rows(ids_ptr, R, R_PAD, M_BLOCKS, BLOCK_M, COMPACT)
         if any_rows:
             tok = rows // K_ROUTED
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,22 +160,15 @@ if triton is not None:
                 acc_g *= tl.load(s_ptr + e * stride_se + offs_n)[None, :]
                 acc_u *= tl.load(s_ptr + e * stride_se + I + offs_n)[None, :]
             act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            if QUANT_OUT:  # rounded to bf16 first, as the stored activations quantize_groups would read
-                q, q_scale = _quantize_rows(act.to(tl.bfloat16), GRID_ROUND)
-                tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], q, mask=m_mask[:, None])
-                tl.store(out_s_ptr + rows * stride_out_s + tl.program_id(1), q_scale, mask=m_mask)
-            else:
-                tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
-                         mask=m_mask[:, None])
+            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None])
 
     @triton.jit
-    def _down_kernel(a_ptr, as_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, block_expert_ptr, route_w_ptr, out_ptr, R, E,
-                     I: tl.constexpr, stride_a, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-                     SCALE: tl.constexpr, DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr,
-                     M_BLOCKS: tl.constexpr, SORTED: tl.constexpr, COMPACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        e, rows, m_mask, any_rows = _program_rows(ids_ptr, rows_ptr, block_expert_ptr, R, E, R_PAD, M_BLOCKS, BLOCK_M,
-                                                  SORTED, COMPACT)
+    def _down_kernel(a_ptr, as_ptr, w_ptr, s_ptr, ids_ptr, route_w_ptr, out_ptr, R, I: tl.constexpr, stride_a,
+                     stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_out, SCALE: tl.constexpr,
+                     DOT: tl.constexpr, A8: tl.constexpr, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr,
+                     COMPACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        e, rows, m_mask, any_rows = _program_rows(ids_ptr, R, R_PAD, M_BLOCKS, BLOCK_M, COMPACT)
         if any_rows:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
@@ -282,15 +262,12 @@ def _dot_type(scale: int):
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-            block: int | None = None, residual: torch.Tensor | None = None, fp8_activations: bool = False,
-            fused_quant: bool = False) -> torch.Tensor:
+            block: int | None = None, residual: torch.Tensor | None = None, fp8_activations: bool = False) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] (bf16, or fp8 with `*_scale`:
     [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype, plus
     `residual` [T, H] when given (added in float32 before the one rounding). With fp8 weights and
     `fp8_activations`, both projections' inputs are quantised to e4m3 per row and 128 channels inside the
-    kernels and the products run on fp8 tensor cores (no weight converted to bf16). `fused_quant`: the down
-    projection's input is quantised by the gate/up kernel as it stores it, not by a kernel of its own, where a
-    program's columns are one scale group (N tiles of 128, bf16 inputs); elsewhere as without it."""
+    kernels and the products run on fp8 tensor cores (no weight converted to bf16)."""
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
@@ -313,12 +290,11 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     # Fewer routed rows than experts (a batch of one: 8 of 128): programs per routed row, not per expert, so the
     # unchosen experts' programs are never started (each would still take its turn on an SM to find no rows).
     compact = t * k < n_exp
-    common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, SORTED=False,
-                  COMPACT=compact, **cfg)
+    common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, COMPACT=compact,
+                  **cfg)
     programs = (t * k if compact else n_exp) * m_blocks
-    fused = bool(fused_quant and a8 and cfg["BLOCK_N"] == 128 and x.dtype == torch.bfloat16)
-    return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
-                   (flat_ids, flat_ids, flat_ids), programs, common, down_tiles, fused)  # rows and block experts unread
+    return _launch(x, flat_ids, weights, gate_up, down, gate_up_scale, down_scale, residual, t, programs, common,
+                   down_tiles)
 
 
 QUANT_ROWS = 16  # rows per quantising program
@@ -338,13 +314,11 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual, ptrs: tuple, programs: int,
-            common: dict, down_tiles: dict | None = None, fused_quant: bool = False) -> torch.Tensor:
-    """The gate/up, down and combining kernels of `experts` and `experts_sorted`: `programs` row blocks, whose
-    rows the kernels find in the ids or read from `align`'s (`ptrs`: ids, rows, block experts; SORTED); the
-    down kernel with `down_tiles` (DOWN_KEYS) in place of those of `common`; with `fused_quant` (A8, N tiles of
-    128) the gate/up kernel storing the down projection's input in e4m3 with its scales."""
-    t, k = ids.shape
+def _launch(x, flat_ids, weights, gate_up, down, gate_up_scale, down_scale, residual, t: int, programs: int,
+            common: dict, down_tiles: dict | None = None) -> torch.Tensor:
+    """The gate/up, down and combining kernels of `experts` over `programs` row blocks; the down kernel with
+    `down_tiles` (DOWN_KEYS) in place of those of `common`."""
+    k = flat_ids.numel() // t
     n_exp, two_i, h = gate_up.shape
     i, bk = two_i // 2, common["BLOCK_K"]
     if set(down_tiles or {}) - set(DOWN_KEYS):
@@ -354,9 +328,7 @@ def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
     if h % bk or i % bk or i % bn or h % dn or h % COMBINE_BLOCK:
         raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {dn}, {bk})")
     x, r = x.contiguous(), t * k
-    # silu(gate) * up of every routed row (in e4m3, with a scale per row and 128 channels, where fused_quant)
-    act = torch.empty(r, i, device=x.device, dtype=torch.float8_e4m3fn if fused_quant else x.dtype)
-    act_scale = torch.empty(r, i // 128, device=x.device, dtype=torch.float32) if fused_quant else act
+    act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up of every routed row
     y = torch.empty(r, h, device=x.device, dtype=torch.float32)  # every routed row's output, weighted
     su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
     sd = down_scale if down_scale is not None else act
@@ -366,67 +338,13 @@ def _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
         # A8: each projection's input in e4m3 with its scales, quantised once for all the programs that read it
         a, a_scale = quantize_groups(x) if common["A8"] else (x, act)  # (act: unread)
         _gate_up_kernel[(programs, i // bn)](
-            a, a_scale, gate_up, su, *ptrs, act, act_scale, r, n_exp, h, i, k, a.stride(0), a_scale.stride(0),
-            gate_up.stride(0), gate_up.stride(1), su.stride(0), su_n, act.stride(0), act_scale.stride(0),
-            QUANT_OUT=fused_quant, GRID_ROUND=_interpreted(), **common)
-        if fused_quant:
-            a, a_scale = act, act_scale
-        else:
-            a, a_scale = quantize_groups(act) if common["A8"] else (act, act)
+            a, a_scale, gate_up, su, flat_ids, act, r, h, i, k, a.stride(0), a_scale.stride(0), gate_up.stride(0),
+            gate_up.stride(1), su.stride(0), su_n, act.stride(0), **common)
+        a, a_scale = quantize_groups(act) if common["A8"] else (act, act)
         _down_kernel[(programs, h // dn)](
-            a, a_scale, down, sd, *ptrs, weights.reshape(-1).contiguous(), y, r, n_exp, i, a.stride(0), a_scale.stride(0),
+            a, a_scale, down, sd, flat_ids, weights.reshape(-1).contiguous(), y, r, i, a.stride(0), a_scale.stride(0),
             down.stride(0), down.stride(1), sd.stride(0), sd_n, y.stride(0), **down_common)
         out = torch.empty(t, h, device=x.device, dtype=x.dtype)
         res = residual.contiguous() if residual is not None else out  # unread without HAS_RES
         _combine_kernel[(t, h // COMBINE_BLOCK)](y, res, out, h, k, residual is not None, BLOCK_H=COMBINE_BLOCK)
     return out
-
-
-def align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routed rows of `ids` [T, k] (token * k + slot) grouped by expert in row order, each group padded to
-    a multiple of `block_m` with the sentinel T * k -> (rows [blocks * block_m] int32, each block's expert
-    [blocks] int32, `experts` past the last). Made on the device in sizes that depend on T alone
-    (cdiv(T * k, block_m) + experts blocks bound the groups' own), so nothing waits on the device for them."""
-    flat = ids.reshape(-1)
-    r, dev = flat.numel(), ids.device
-    onehot = torch.nn.functional.one_hot(flat, experts).to(torch.int32)  # [R, E]
-    counts = onehot.sum(0)
-    rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # each row's place within its expert's group
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    blocks = -(-r // block_m) + experts
-    rows = torch.full((blocks * block_m,), r, dtype=torch.int32, device=dev)
-    rows.scatter_(0, (starts[flat] + rank).long(), torch.arange(r, dtype=torch.int32, device=dev))
-    block_expert = torch.bucketize(torch.arange(blocks, device=dev) * block_m, ends, right=True).to(torch.int32)
-    return rows, block_expert
-
-
-def _sorted_tiles(tokens: int, k: int, experts: int) -> dict:
-    """Tile shapes for the sorted kernels (not yet tuned on an H200): rows of an expert per program about twice
-    the mean an expert gets (16 to 128), so most experts' weights are streamed once per step."""
-    mean = tokens * k / experts
-    block_m = min(128, max(16, triton.next_power_of_2(int(2 * mean))))
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4 if block_m <= 64 else 8, num_stages=3)
-
-
-def experts_sorted(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`experts` for a step of more tokens than MAX_TOKENS (a prefill): the routed rows grouped by expert first
-    (`align`, on the device), so each program takes BLOCK_M rows of one expert without scanning every routed
-    id, and streams that slice of the expert's weights once for all of them. bf16 weights, or fp8 scaled per
-    output channel (`*_scale` [E, N]); the same combining kernel as `experts`."""
-    if triton is None:
-        raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
-    t, k = ids.shape
-    n_exp = gate_up.shape[0]
-    if (gate_up_scale is None) != (down_scale is None) or (gate_up_scale is not None and gate_up_scale.dim() != 2):
-        raise ValueError("the sorted experts read bf16 weights, or fp8 ones with per-channel scales [E, N]")
-    cfg = _sorted_tiles(t, k, n_exp)
-    rows, block_expert = align(ids, n_exp, cfg["BLOCK_M"])
-    scale = SCALE_NONE if gate_up_scale is None else SCALE_CHANNEL
-    common = dict(SCALE=scale, DOT=_dot_type(scale), A8=0, R_PAD=1, M_BLOCKS=1, SORTED=True, COMPACT=False, **cfg)
-    return _launch(x, ids, weights, gate_up, down, gate_up_scale, down_scale, residual,
-                   (rows, rows, block_expert), block_expert.numel(), common)  # the first (ids) unread
-

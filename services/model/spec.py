@@ -1,21 +1,36 @@
 """The facts about a Qwen3-Omni checkpoint that the stages share, read from its config.json."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 FULL_CONFIG_PATH = Path(__file__).with_name("qwen3-omni-30b-a3b-instruct.config.json")
+# Sampling a request gets where it sets nothing: the thinker's as Qwen recommends for the instruct model (a
+# checkpoint's generation_config.json takes precedence), the talker's and its code predictor's transformers' own.
+THINKER_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.0}
+TALKER_SAMPLING = {"temperature": 0.9, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.05}
 
 
 @dataclass(frozen=True)
 class OmniSpec:
     raw: dict
+    generation: dict = field(default_factory=dict)  # the checkpoint's generation_config.json, if any
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "OmniSpec":
         path = Path(model_dir)
-        return cls(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
+        generation = path / "generation_config.json"
+        return cls(json.loads((path / "config.json" if path.is_dir() else path).read_text()),
+                   json.loads(generation.read_text()) if path.is_dir() and generation.exists() else {})
+
+    @property
+    def thinker_sampling(self) -> dict:
+        return {k: self.generation.get(k, v) for k, v in THINKER_SAMPLING.items()}
+
+    @property
+    def talker_sampling(self) -> dict:
+        return dict(TALKER_SAMPLING)
 
     @property
     def thinker(self) -> dict:

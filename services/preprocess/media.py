@@ -32,7 +32,7 @@ VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
 @dataclass
 class Features:
     kind: str  # "image" | "audio" | "video"
-    values: np.ndarray  # image/video: [patches, C*T*P*P] uint8 pixels; audio: [mel_bins, frames] or [samples] float32
+    values: np.ndarray  # image/video: [patches, C*T*P*P] uint8 pixels; audio: [mel_bins, frames] float32
     num_tokens: int
     grid_thw: tuple[int, int, int] | None = None
     feature_length: int = 0
@@ -64,20 +64,14 @@ def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
 class Preprocessor:
     """Uses the checkpoint's own processor settings (preprocessor_config.json)."""
 
-    def __init__(self, model_dir, limits: Limits, n_window: int = 50, pixels: str = "uint8", audio: str = "mel"):
+    def __init__(self, model_dir, limits: Limits, n_window: int = 50):
         from transformers import WhisperFeatureExtractor
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
-        self.model_dir, self.limits, self.n_window, self.pixels = model_dir, limits, n_window, pixels
-        self.audio_values = audio  # mel: log-mel features made here; pcm: the waveform, features made by the encoder
+        self.model_dir, self.limits, self.n_window = model_dir, limits, n_window
         self.merge = self.images.merge_size
-        if pixels not in ("uint8", "float32"):
-            raise ValueError(f"pixels must be uint8 or float32, not {pixels!r}")
-        if audio not in ("mel", "pcm"):
-            raise ValueError(f"audio must be mel or pcm, not {audio!r}")
-        self.normalise = PixelNorm(model_dir) if pixels == "float32" else None  # else the encoder does
 
     def image(self, data: bytes, where: str = "image") -> Features:
         """The processor's patches (resized by PIL as it resizes, in uint8 throughout: its own float pass took
@@ -93,7 +87,7 @@ class Preprocessor:
             raise InvalidArgument(f"{where}: {e}") from None
         pixels = np.asarray(img.resize((rw, rh), Image.BICUBIC) if (rw, rh) != (w, h) else img).transpose(2, 0, 1)[None]
         patches, grid = self._patches(pixels)
-        return Features("image", self._pixels(patches), grid[0] * grid[1] * grid[2] // self.merge**2, grid)
+        return Features("image", patches, grid[0] * grid[1] * grid[2] // self.merge**2, grid)
 
     def _patches(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Frames [T, C, H, W] (uint8, H and W multiples of patch x merge) -> the processor's patches
@@ -108,12 +102,6 @@ class Preprocessor:
         patches = pixels.reshape(gt, t_patch, c, gh // m, m, p, gw // m, m, p)
         patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, c * t_patch * p * p)
         return np.ascontiguousarray(patches), (gt, gh, gw)
-
-    def _pixels(self, patches: np.ndarray) -> np.ndarray:
-        """uint8 patches as handed on: as they are, or normalised here (pixels: float32)."""
-        if self.normalise is None:
-            return patches
-        return self.normalise(torch.from_numpy(patches), torch.float32).numpy()
 
     def video(self, frames: list[bytes], fps: float, where: str = "video") -> Features:
         if not frames:
@@ -136,7 +124,7 @@ class Preprocessor:
             raise InvalidArgument(f"{where}: {e}") from None
         pixels = np.stack([np.asarray(im.resize((rw, rh), Image.BICUBIC)) for im in imgs]).transpose(0, 3, 1, 2)  # [T, C, H, W] uint8
         patches, (gt, gh, gw) = self._patches(pixels)
-        return Features("video", self._pixels(patches), gt * gh * gw // self.merge**2, (gt, gh, gw),
+        return Features("video", patches, gt * gh * gw // self.merge**2, (gt, gh, gw),
                         second_per_grid=ip.temporal_patch_size / fps)
 
     def audio_file(self, data: bytes, where: str = "audio") -> Features:
@@ -189,40 +177,10 @@ class Preprocessor:
         if len(pcm) <= self.audio.n_fft // 2:  # the spectrogram's first window reflects this many samples each side
             raise InvalidArgument(f"{where}: audio is too short ({len(pcm)} samples at {SAMPLE_RATE} Hz; "
                                   f"at least {self.audio.n_fft // 2 + 1})")
-        if self.audio_values == "pcm":  # one feature frame per hop, as the extractor makes them (LogMel, on the encoder)
-            frames = len(pcm) // self.audio.hop_length
-            return Features("audio", np.ascontiguousarray(pcm, dtype=np.float32), audio_tokens(frames, self.n_window),
-                            feature_length=frames)
         out = self.audio([pcm], sampling_rate=SAMPLE_RATE, padding=True, truncation=False, return_attention_mask=True, return_tensors="np")
         frames = int(out["attention_mask"][0].sum())
         mel = np.ascontiguousarray(out["input_features"][0][:, :frames], dtype=np.float32)
         return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames)
-
-
-class LogMel:
-    """Whisper's log-mel features of a 16 kHz waveform [samples] -> [mel_bins, samples // hop] float32, made on the
-    waveform's device with the feature extractor's own steps and constants (preprocessor_config.json: window,
-    hop, mel filters; log10, floored 8 below the clip's peak, scaled): the encoder's half of preprocess.audio: pcm."""
-
-    def __init__(self, model_dir):
-        from transformers import WhisperFeatureExtractor
-
-        fe = WhisperFeatureExtractor.from_pretrained(model_dir)
-        if getattr(fe, "dither", 0.0):
-            raise ValueError(f"the feature extractor dithers ({fe.dither}): its features are not reproducible here")
-        self.n_fft, self.hop, self.bins = fe.n_fft, fe.hop_length, fe.feature_size
-        self.filters = torch.from_numpy(np.asarray(fe.mel_filters, dtype=np.float32)).T.contiguous()  # [bins, freqs]
-        self.on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, pcm: torch.Tensor) -> torch.Tensor:
-        if pcm.dim() != 1 or len(pcm) <= self.n_fft // 2:
-            raise InvalidArgument(f"a waveform must be [samples] with more than {self.n_fft // 2}, got {tuple(pcm.shape)}")
-        if pcm.device not in self.on:
-            self.on[pcm.device] = torch.hann_window(self.n_fft, device=pcm.device), self.filters.to(pcm.device)
-        window, filters = self.on[pcm.device]
-        spectrum = torch.stft(pcm.float(), self.n_fft, self.hop, window=window, return_complex=True)[:, :-1]
-        log = (filters @ (spectrum.abs() ** 2)).clamp_min(1e-10).log10()
-        return (torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0
 
 
 class PixelNorm:

@@ -1,23 +1,21 @@
-"""Preprocess stage: decodes and prepares media on a pool of worker processes (or threads), hands features
-on by reference. Processes keep decoding off the server's interpreter: the event loop and the transport
-never wait for a decoder holding the GIL, and decoders run side by side on every core given."""
+"""Preprocess stage: decodes and prepares media on a pool of worker processes, hands features on by reference.
+Processes keep decoding off the server's interpreter: the event loop and the transport never wait for a decoder
+holding the GIL, and decoders run side by side on every core given."""
 
 import asyncio
-import atexit
-import dataclasses
 import logging
 import multiprocessing
 import time
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
-from omni.stage.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc, tensor_pb2
+from omni.stage.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 from omni.v1 import omni_pb2
 from services.model.spec import OmniSpec
 from services.preprocess.media import Features, Preprocessor
-from services.runtime.config import MeshConfig, TransportConfig
+from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument, OmniError, ResourceExhausted
 from services.runtime.metrics import rpc
 from services.runtime.protoconv import timings
@@ -52,16 +50,12 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Fe
 # -- worker processes: each builds its own Preprocessor once --------------------------------------
 
 _WORKER: Preprocessor | None = None
-_TRANSPORT: Transport | None = None  # preprocess.put_in_workers: this worker's own pool
 
 
-def _init_worker(model_dir, limits, n_window, pixels, audio, transport: tuple[TransportConfig, str, str] | None = None) -> None:
-    global _WORKER, _TRANSPORT
+def _init_worker(model_dir, limits, n_window) -> None:
+    global _WORKER
     single_threaded()
-    _WORKER = Preprocessor(model_dir, limits, n_window, pixels, audio)
-    if transport is not None:  # (config, owner, shm domain): a pool named for this process, gone with it
-        _TRANSPORT = Transport(*transport)
-        atexit.register(_TRANSPORT.close)
+    _WORKER = Preprocessor(model_dir, limits, n_window)
 
 
 def single_threaded() -> None:
@@ -75,52 +69,30 @@ def _ready() -> bool:
     return _WORKER is not None
 
 
-def _prepare_in_worker(index: int, item: bytes, placement: bytes = b"") -> tuple[Features, bytes]:
-    """The item's features; with this worker's own pool (put_in_workers) and a placement, put there: the
-    features come back without their values, and the ref to them serialised."""
-    f = prepare(_WORKER, index, preprocess_pb2.MediaItem.FromString(item))
-    if _TRANSPORT is None or not placement:
-        return f, b""
-    ref = _TRANSPORT.put(torch.from_numpy(f.values), tensor_pb2.Placement.FromString(placement))
-    return dataclasses.replace(f, values=None), ref.SerializeToString()
+def _prepare_in_worker(index: int, item: bytes) -> Features:
+    return prepare(_WORKER, index, preprocess_pb2.MediaItem.FromString(item))
 
 
 class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
-    def __init__(self, pre: Preprocessor, transport: Transport, workers: int, pool: str = "process",
-                 put_in_workers: bool = False):
-        self.pre, self.transport, self.workers, self.kind = pre, transport, workers, pool
-        # preprocess.put_in_workers: each worker process puts its features into a pool of its own
-        self.worker_transport = ((transport.cfg, f"{transport.owner}w", transport.shm_domain)
-                                 if put_in_workers and pool == "process" and transport is not None else None)
+    def __init__(self, pre: Preprocessor, transport: Transport, workers: int):
+        self.pre, self.transport, self.workers = pre, transport, workers
         self.pool = self._new_pool()
 
-    def _new_pool(self) -> Executor:
-        if self.kind == "thread":
-            return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="preprocess")
+    def _new_pool(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window,
-                                                                       self.pre.pixels, self.pre.audio_values,
-                                                                       self.worker_transport))
+                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window))
 
     async def start(self) -> None:
         """Starts every worker process before the stage says it is serving (their imports take seconds)."""
-        if self.kind == "process":
-            loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(self.pool, _ready) for _ in range(2 * self.workers)))
-
-    async def _run(self, index: int, item: preprocess_pb2.MediaItem,
-                   placement: tensor_pb2.Placement | None = None) -> tuple[Features, tensor_pb2.TensorRef | None]:
-        """The item's features, and the ref a worker put them under (put_in_workers) or None: not put yet."""
         loop = asyncio.get_running_loop()
-        if self.kind == "thread":
-            return await loop.run_in_executor(self.pool, prepare, self.pre, index, item), None
+        await asyncio.gather(*(loop.run_in_executor(self.pool, _ready) for _ in range(2 * self.workers)))
+
+    async def _run(self, index: int, item: preprocess_pb2.MediaItem) -> Features:
         payload = item.SerializeToString()
-        where = placement.SerializeToString() if self.worker_transport is not None and placement is not None else b""
         for attempt in (0, 1):
             pool = self.pool
             try:
-                f, ref = await asyncio.wrap_future(pool.submit(_prepare_in_worker, index, payload, where))
-                return f, tensor_pb2.TensorRef.FromString(ref) if ref else None
+                return await asyncio.wrap_future(pool.submit(_prepare_in_worker, index, payload))
             except BrokenProcessPool:
                 # A worker died (killed, out of memory, a decoder crashed): a new pool, and one more try, so
                 # an item that itself kills its worker fails alone after two pools.
@@ -135,14 +107,10 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
         if len(request.items) > self.pre.limits.max_media_items:
             raise ResourceExhausted(f"{len(request.items)} media items is over the limit of {self.pre.limits.max_media_items}")
         t0 = time.perf_counter()
-        placement = request.placement if request.HasField("placement") else None
-        done = await asyncio.gather(*(self._run(i, it, placement) for i, it in enumerate(request.items)))
+        done = await asyncio.gather(*(self._run(i, it) for i, it in enumerate(request.items)))
         reply = preprocess_pb2.PreprocessResponse(timings=timings(preprocess=time.perf_counter() - t0))
-        for f, ref in done:
-            if ref is None:
-                ref = self.transport.put(torch.from_numpy(f.values), request.placement)
-            else:
-                self.transport.count_out(ref)  # put by a worker: counted here, where the metrics are served
+        for f in done:
+            ref = self.transport.put(torch.from_numpy(f.values), request.placement)
             reply.items.append(preprocess_pb2.Features(
                 kind=KINDS[f.kind], values=ref,
                 grid_thw=list(f.grid_thw or ()), feature_length=f.feature_length,
@@ -152,18 +120,11 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
 
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
-    r = cfg.preprocess.replicas[replica]
-    # One intra-op thread here too, whatever the pool: this process only moves bytes (each item's features into
-    # the shared pool), and a copy split over a thread per core leaves each of them spinning for its next task. On the
-    # 32-core 2xH200 host this process took about 300 ms of CPU a request, 1.4-1.5 cores a replica at 32 image
-    # or audio requests and 2.8 at 32 s2s (stage_cpu_frac in bench/results/2xh200-mesh-{1d24a71,*-acc04a2}.json):
-    # cores the decoders and the engines' host loops need. That the spinning was all of it is yet to be measured.
+    # This process only moves bytes: a copy split over a thread per core leaves each spinning for its next task.
     single_threaded()
-    pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window, cfg.preprocess.pixels,
-                       cfg.preprocess.audio)
-    transport = Transport(cfg.transport, f"preprocess{replica}", r.shm_domain)
-    servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers, cfg.preprocess.pool,
-                                  cfg.preprocess.put_in_workers)
+    pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
+    transport = Transport(cfg.transport, f"preprocess{replica}")
+    servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers)
     await servicer.start()
     name = add_service(server, servicer, preprocess_pb2.DESCRIPTOR.services_by_name["Preprocess"])
 

@@ -1,6 +1,13 @@
-"""The one typed configuration of a mesh, shared by every process of it, validated when loaded."""
+"""The one typed configuration of a mesh, shared by every process of it, validated when loaded.
 
+A config file may name another it `extends:` (a path relative to it); its own keys are merged over that one's,
+section by section (lists are replaced, not merged). Every field has a one-line docstring under it; `docs/config.md`
+is generated from them (`python -m services.runtime.config`)."""
+
+import ast
 import dataclasses
+import inspect
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -9,19 +16,52 @@ from typing import Literal
 
 import yaml
 
-from services.runtime.stage_config import (
-    EncoderConfig, GatewayConfig, PreprocessConfig, Replica, TalkerConfig, ThinkerConfig)
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Replica:
+    """One process of a stage."""
+
+    host: str = "127.0.0.1"
+    """Address other processes reach it at; it listens there on loopback, on every interface otherwise."""
+    port: int = 0
+    """gRPC port."""
+    metrics_port: int = 0
+    """Port of its Prometheus `/metrics`."""
+    device: str = "cpu"
+    """Where its engine runs: `cpu` or `cuda:N`."""
+    prefer_for: list[Literal["text", "audio"]] = field(default_factory=list)
+    """Output modalities whose requests the gateway sends here first (encoders and thinkers)."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def bind_address(self) -> str:
+        loopback = self.host in ("127.0.0.1", "localhost", "::1")
+        return f"{self.host if loopback else '0.0.0.0'}:{self.port}"
+
+
+@dataclass
+class StageConfig:
+    replicas: list[Replica] = field(default_factory=list)
+    """The stage's processes."""
 
 
 @dataclass
 class ModelConfig:
     path: str = ""
+    """Checkpoint folder (config.json, tokenizer, safetensors), relative to the repository or absolute."""
     load_format: Literal["auto", "random"] = "auto"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """`random`: seeded random weights made on the device from the folder's config.json (benchmarks), no file read."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Precision of the weights and activations."""
     seed: int = 0
+    """Seed of the random weights."""
     name: str = "qwen3-omni"
+    """The model's name as clients see it."""
 
     @property
     def dir(self) -> Path | None:
@@ -34,40 +74,94 @@ class ModelConfig:
 @dataclass
 class Limits:
     max_request_bytes: int = 64 << 20
+    """Largest request the gateway accepts."""
     max_media_items: int = 16
+    """Images, clips and videos in one request."""
     max_image_pixels: int = 12_845_056
+    """Pixels of one image, read from its header before it is decoded."""
     max_audio_seconds: float = 600.0
+    """Duration of one clip."""
     max_video_frames: int = 128
+    """Frames of one video."""
     max_new_tokens: int = 8192
+    """Text tokens one request may generate; also its default."""
     max_talker_frames: int = 8192
-    # 0: the model's own maximum.
+    """Speech frames (12.5 a second) one request may generate; also its default."""
     max_context_tokens: int = 0
+    """Prompt plus generated tokens; 0: the model's own maximum."""
 
 
 @dataclass
 class TransportConfig:
-    # Share tensors through /dev/shm between processes of one host; off: always inline bytes.
     shm: bool = True
+    """Hand tensors between processes of one host by reference (shared memory, CUDA IPC); off: inline bytes."""
     pool_bytes: int = 256 << 20
-    max_slots: int = 4096
-    # A slot its consumer never released is reclaimed after this long.
-    reclaim_after_s: float = 60.0
-    # Between GPU processes of one host, GPU tensors move through CUDA IPC pools of this size (one per GPU).
-    cuda_ipc: bool = True
+    """Each process's shared-memory pool (a sparse file: it costs what it holds)."""
     cuda_pool_bytes: int = 1 << 30
-    # A tensor of 8 MB or more read from another GPU is copied in this many parts at once, each on its own
-    # streams (bench.transport --read-lanes measures it).
-    read_lanes: int = 1
-    # How a GPU reads a pool on another GPU: "source", PyTorch's copy between GPUs (launched on the producer's
-    # GPU: this process keeps a context there, time-sliced with the producer's), or "pull", the pool mapped
-    # into the reading GPU's context and copied by that GPU (bench.transport --cross-gpu-read measures both).
-    cross_gpu_read: Literal["source", "pull"] = "source"
-    # A GPU put returns once its copy is queued, not done: the ref carries an interprocess CUDA event recorded
-    # after the copy, and the consumer's copy waits for it on the device (off: the put waits on the host).
-    ipc_events: bool = False
-    # A tensor in host memory of at most this many bytes goes inside the message (a speech request's states
-    # for one token, 8 KB), not through a shared-memory slot: no slot to take, write, read and give back.
-    inline_bytes: int = 16384
+    """Each GPU process's CUDA IPC pool, per GPU."""
+    reclaim_after_s: float = 60.0
+    """A slot its consumer never released is reclaimed after this long."""
+
+
+@dataclass
+class GatewayConfig(StageConfig):
+    replicas: list[Replica] = field(default_factory=lambda: [Replica(port=50051, metrics_port=9100)])
+    routing: Literal["modality", "least_loaded", "fixed"] = "modality"
+    """Encoder and thinker replicas by the request's output modality (`prefer_for`) then load, by load, or by
+    modality however busy."""
+
+
+@dataclass
+class PreprocessConfig(StageConfig):
+    workers: int = 2
+    """Decoder processes per replica."""
+
+
+@dataclass
+class EncoderConfig(StageConfig):
+    cuda_graphs: bool = True
+    """Replay the vision tower from CUDA graphs on a GPU; off: eager."""
+
+
+@dataclass
+class EngineConfig(StageConfig):
+    """A stage running a language model (the thinker, the talker)."""
+
+    engine: Literal["native", "reference"] = "native"
+    """`native`: paged KV cache and continuous batching; `reference`: transformers' modules, one request a forward."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_blocks: int = 0
+    """KV cache blocks; 0: as many as the device has room for."""
+    max_batched_tokens: int = 2048
+    """Tokens one step may take (prompts are chunked to it)."""
+    max_seqs: int = 256
+    """Sequences one step may take."""
+    moe: Literal["auto", "loop", "grouped", "triton"] = "auto"
+    """Experts by the reference loop, a grouped GEMM, or Triton kernels for decode-sized steps; auto: triton on a
+    GPU, loop elsewhere."""
+    attention: Literal["auto", "torch", "flashinfer"] = "auto"
+    """Attention kernels; auto: flashinfer where it runs, PyTorch's SDPA elsewhere."""
+    cuda_graph_max_batch: int = 64
+    """On a GPU, decode steps of up to this many sequences replay CUDA graphs; 0: no graphs."""
+    step_graphs: int = 2048
+    """Prompt and mixed steps of up to this many tokens run in pieces between attentions (CUDA graphs on a GPU,
+    eager elsewhere); 0: whole forwards."""
+    overlap: bool = True
+    """Launch each decode step before reading the previous one's outputs, hiding the host's work."""
+
+
+@dataclass
+class ThinkerConfig(EngineConfig):
+    fp8: Literal["off", "channel", "block"] = "off"
+    """Experts in fp8 (e4m3): per output channel with e4m3 activations, or in 128 x 128 tiles (a block-fp8
+    checkpoint's own); off: the model's dtype."""
+
+
+@dataclass
+class TalkerConfig(EngineConfig):
+    chunks: list[int] = field(default_factory=lambda: [2, 4, 8, 16, 25])
+    """Frames of each streamed chunk of speech, in order; the last repeats."""
 
 
 @dataclass
@@ -99,24 +193,14 @@ class MeshConfig:
                     if (r.host, port) in seen:
                         raise ConfigError(f"{stage}.replicas[{i}]: {r.host}:{port} already used by {seen[r.host, port]}")
                     seen[r.host, port] = f"{stage}.replicas[{i}]"
-        for stage in ("encoder", "thinker", "talker"):
-            if not getattr(self, stage).switch_interval_ms > 0:
-                raise ConfigError(f"{stage}.switch_interval_ms must be positive")
         for stage in ("thinker", "talker"):
-            if getattr(self, stage).fp8_activations and getattr(self, stage).fp8_experts == "off":
-                raise ConfigError(f"{stage}.fp8_activations needs fp8 experts ({stage}.fp8_experts: channel or block)")
-            if getattr(self, stage).fp8_fused_quant and not getattr(self, stage).fp8_activations:
-                raise ConfigError(f"{stage}.fp8_fused_quant quantises the experts' fp8 activations: it needs "
-                                  f"{stage}.fp8_activations")
-            if getattr(self, stage).decode_split_kv_max_batch >= 0 and not getattr(self, stage).decode_tensor_cores:
-                raise ConfigError(f"{stage}.decode_split_kv_max_batch needs {stage}.decode_tensor_cores (flashinfer's "
-                                  "CUDA-core decode kernel is planned its own way)")
-        if self.thinker.decode_graph_copies < 1:
-            raise ConfigError(f"thinker.decode_graph_copies must be at least 1, not {self.thinker.decode_graph_copies}")
-        if self.talker.code2wav_native and self.talker.code2wav_fuse:
-            raise ConfigError("talker.code2wav_native fuses code2wav's activations itself: leave talker.code2wav_fuse off")
-        if self.encoder.graphs and self.encoder.attention != "varlen":
-            raise ConfigError("encoder.graphs needs encoder.attention: varlen (sdpa reads lengths back every layer)")
+            s = getattr(self, stage)
+            if s.block_size < 1 or s.max_batched_tokens < 1 or s.max_seqs < 1 or s.kv_blocks < 0:
+                raise ConfigError(f"{stage}: block_size, max_batched_tokens and max_seqs must be positive, kv_blocks >= 0")
+        if not self.talker.chunks or min(self.talker.chunks) < 1:
+            raise ConfigError(f"talker.chunks must be positive frame counts, not {self.talker.chunks}")
+        if self.preprocess.workers < 1:
+            raise ConfigError("preprocess.workers must be at least 1")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self
@@ -131,8 +215,8 @@ def _coerce(tp, value, where: str):
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-        names = {f.name: f for f in dataclasses.fields(tp)}
-        unknown = set(value) - set(names)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = set(value) - names
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
         hints = typing.get_type_hints(tp)
@@ -165,6 +249,26 @@ def _coerce(tp, value, where: str):
     return value
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """`over`'s keys over `base`'s, mappings merged key by key, anything else (lists too) replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_config(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
+    """The mapping of the config file at `path`, merged over the one it `extends:` (a path relative to it)."""
+    path = Path(path).resolve()
+    if path in seen:
+        raise ConfigError(f"{path.name}: extends itself through {' -> '.join(p.name for p in seen)}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path.name}: expected a mapping at the top")
+    base = data.pop("extends", None)
+    return _merge(read_config(path.parent / base, (*seen, path)), data) if base else data
+
+
 def apply_overrides(data: dict, overrides: list[str] = ()) -> dict:
     """`section.key=value` overrides (values in YAML) applied to a config's mapping, in place."""
     for item in overrides:
@@ -182,22 +286,62 @@ def apply_overrides(data: dict, overrides: list[str] = ()) -> dict:
 
 
 def read_overridden(path: str | Path, overrides: list[str] = ()) -> dict:
-    """The mapping of the config file at `path` with `overrides` applied."""
-    return apply_overrides(yaml.safe_load(Path(path).read_text()) or {}, overrides)
+    """The mapping of the config at `path` (its `extends:` resolved) with `overrides` applied."""
+    return apply_overrides(read_config(path), overrides)
 
 
 def write_overridden(path: str | Path, overrides: list[str], out: str | Path) -> Path:
-    """The config at `path` with `overrides` applied, written to `out` (for processes that read their config
+    """The config at `path` with `overrides` applied, written whole to `out` (for processes that read their config
     from a file: the stages of a launched mesh). Without overrides, `path` itself."""
     if not overrides:
         return Path(path)
-    data = read_overridden(path, overrides)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump(data))
+    out.write_text(yaml.safe_dump(read_overridden(path, overrides)))
     return out
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> MeshConfig:
     """The config at `path`, with `section.key=value` overrides (values in YAML) applied on top."""
     return _coerce(MeshConfig, read_overridden(path, overrides), Path(path).name).validate()
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body), by name, the bases' first."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass.__module__ != __name__:
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def reference() -> str:
+    """docs/config.md: every section's fields with their type, default and docstring."""
+    lines = ["# Configuration reference", "",
+             "Generated from `services/runtime/config.py` by `python -m services.runtime.config > docs/config.md`;",
+             "`tests/runtime/test_config.py` keeps it current. A file may `extends:` another (a path relative to it),",
+             "its keys merged over that one's; `--set section.key=value` overrides any field from the command line.",
+             "Every compiled function can be run eagerly for debugging with torch's `TORCHDYNAMO_DISABLE=1`.", ""]
+    hints = typing.get_type_hints(MeshConfig)
+    sections = [("replicas[] (every stage)", Replica)] + [(f.name, hints[f.name]) for f in dataclasses.fields(MeshConfig)]
+    for name, cls in sections:
+        lines += [f"## `{name}`", "", "| field | type | default | what it does |", "|---|---|---|---|"]
+        types_, docs, default = typing.get_type_hints(cls), field_docs(cls), cls()
+        for f in dataclasses.fields(cls):
+            if f.name == "replicas" and cls is not Replica:
+                continue
+            shown = getattr(default, f.name)
+            kind = str(types_[f.name]).replace("typing.", "").replace("services.runtime.config.", "")
+            kind = kind.replace("<class '", "").replace("'>", "")
+            lines.append(f"| `{f.name}` | `{kind}` | `{shown!r}` | {docs.get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference(), end="")

@@ -3,7 +3,7 @@
 import torch
 
 from omni.stage.v1 import common_pb2
-from services.llm.mrope import Layout
+from services.model.positions import Layout
 from services.llm.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

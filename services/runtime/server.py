@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # Stages hand tensors inline when they cannot share memory; the gateway's own limit is the request size.
 STAGE_MESSAGE_BYTES = 1 << 30
+# How long an engine's thread may wait for the interpreter lock while the server's thread holds it: Python's
+# default, 5 ms, would be paid after each of the engine's device waits while the server is busy.
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -72,11 +75,9 @@ def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: 
 
     r = cfg.replicas(stage)[replica]
     log.info("%s[%d] engine: %s on %s", stage, replica, getattr(engine, "summary", type(engine).__name__), r.device)
-    # The engine's thread gives up the interpreter lock at every device wait; the server's thread, busy with
-    # messages, would keep it for a whole switch interval before the engine gets it back.
-    sys.setswitchinterval(getattr(cfg, stage).switch_interval_ms / 1000)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     worker = EngineWorker(engine, stage)
-    transport = Transport(cfg.transport, f"{stage}{replica}", r.shm_domain)
+    transport = Transport(cfg.transport, f"{stage}{replica}")
     if exports_gpu_tensors and engine.device.type == "cuda":
         transport.cuda_pool(engine.device)
     name = add_service(server, make_servicer(worker, transport), service)

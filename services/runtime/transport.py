@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64
+MAX_SLOTS = 4096  # refs a pool has out at once
+INLINE_BYTES = 16384  # a host tensor this small goes inside the message (a speech request's states for one token)
+SHM_DOMAIN = "local"  # every process of one config shares /dev/shm (one host, one IPC namespace); off: inline bytes
 SWEEP_EVERY_S = 0.002  # a put frees its pool's released slots at most this often (and whenever it finds no room)
 _SLOT = np.dtype([("generation", "<u4"), ("released", "<u4"), ("offset", "<u8"), ("nbytes", "<u8"), ("t_alloc", "<f8")])
 
@@ -195,15 +198,13 @@ class _PoolView:
 class Transport:
     """put() on the producer side, get() on the consumer side."""
 
-    def __init__(self, cfg: TransportConfig, owner: str, shm_domain: str):
+    def __init__(self, cfg: TransportConfig, owner: str):
         self.cfg, self.owner = cfg, owner
-        self.shm_domain = shm_domain if cfg.shm else ""
+        self.shm_domain = SHM_DOMAIN if cfg.shm else ""
         self._pool: ShmPool | None = None
         self._cuda_pools: dict = {}  # device -> CudaPool
         self._views: dict[str, _PoolView] = {}
         self._mapped: dict[str, torch.Tensor] = {}  # GPU pools of other processes, mapped once
-        self._peers: dict[tuple[str, int], object] = {}  # the same mapped into another GPU's context (pull reads)
-        self._events: dict[tuple[str, int], tuple[bytes, object]] = {}  # (pool, slot) -> its producer's event, opened
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, str], tuple] = {}  # (transport, direction) -> its two metrics' children
 
@@ -213,7 +214,7 @@ class Transport:
             if self._pool is None:
                 clean_stale_pools()
                 name = f"omni-{self.owner}-{os.getpid()}"
-                self._pool = ShmPool(name, self.cfg.pool_bytes, self.cfg.max_slots, self.cfg.reclaim_after_s)
+                self._pool = ShmPool(name, self.cfg.pool_bytes, MAX_SLOTS, self.cfg.reclaim_after_s)
             return self._pool
 
     def cuda_pool(self, device: torch.device):
@@ -223,8 +224,8 @@ class Transport:
         with self._lock:
             if device not in self._cuda_pools:
                 clean_stale_pools()
-                self._cuda_pools[device] = CudaPool(self.owner, device, self.cfg.cuda_pool_bytes, self.cfg.max_slots,
-                                                    self.cfg.reclaim_after_s, self.cfg.ipc_events)
+                self._cuda_pools[device] = CudaPool(self.owner, device, self.cfg.cuda_pool_bytes, MAX_SLOTS,
+                                                    self.cfg.reclaim_after_s)
             return self._cuda_pools[device]
 
     def _count(self, transport: str, direction: str, nbytes: int) -> None:
@@ -236,20 +237,12 @@ class Transport:
         counters[0].inc(nbytes)
         counters[1].inc()
 
-    def count_out(self, ref: tensor_pb2.TensorRef) -> None:
-        """Counts a ref another process put for this one (a preprocess worker's) in this process's metrics."""
-        where = ref.WhichOneof("location")
-        if where == "inline_data":
-            self._count("inline", "out", len(ref.inline_data))
-        elif where in ("shm", "cuda"):
-            self._count("shm" if where == "shm" else "cuda_ipc", "out", getattr(ref, where).nbytes)
-
     def put(self, tensor: torch.Tensor | list[torch.Tensor], placement: tensor_pb2.Placement | None,
             ready=None) -> tensor_pb2.TensorRef:
         """A ref to `tensor` for a consumer at `placement`; a list of tensors of one shape and dtype goes as
         their stack (one ref, one copy each into one slot: not stacked first). A CUDA tensor is read once it is
         complete: after `ready` (a CUDA event recorded after its producer), else after everything queued on
-        the current stream. A host tensor of at most `inline_bytes` goes inside the message."""
+        the current stream. A host tensor of at most INLINE_BYTES goes inside the message."""
         stacked = isinstance(tensor, (list, tuple))
         parts = [t.detach() for t in tensor] if stacked else [tensor.detach()]
         first = parts[0] if parts else None
@@ -259,9 +252,9 @@ class Transport:
             raise TypeError(f"unsupported dtype {first.dtype}")
         ref = tensor_pb2.TensorRef(dtype=DTYPES[first.dtype], shape=[len(parts), *first.shape] if stacked else list(first.shape))
         nbytes = len(parts) * first.numel() * first.element_size()
-        same_host = bool(nbytes > (0 if first.is_cuda else self.cfg.inline_bytes) and self.shm_domain
+        same_host = bool(nbytes > (0 if first.is_cuda else INLINE_BYTES) and self.shm_domain
                          and placement is not None and placement.shm_domain == self.shm_domain)
-        if same_host and first.is_cuda and placement.cuda and self.cfg.cuda_ipc:
+        if same_host and first.is_cuda and placement.cuda:
             pool = self.cuda_pool(first.device)
             slot = pool.put(parts, ready)
             if slot is not None:
@@ -313,14 +306,9 @@ class Transport:
             out = _from_host(torch.frombuffer(self._view(s.pool).mm, dtype=dtype, count=count, offset=s.offset).reshape(shape),
                              device, copy=True)
         else:
-            from services.runtime.cuda_ipc import read, read_pulled
+            from services.runtime.cuda_ipc import read
 
-            target = torch.device(device)
-            ready = self._ready_event(s)
-            if self.cfg.cross_gpu_read == "pull" and target.type == "cuda" and target.index != s.handle.device:
-                out = read_pulled(self._peer_pool(s, target), s.offset, s.nbytes, dtype, shape, self.cfg.read_lanes, ready)
-            else:
-                out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device, self.cfg.read_lanes, ready)
+            out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device)
         if not live():  # reclaimed while we copied: what we read may be another tensor's
             raise ValueError(f"slot {s.pool}/{s.slot} was reclaimed while it was read")
         entry["released"] = s.generation
@@ -344,25 +332,6 @@ class Transport:
             if s.pool not in self._mapped:
                 self._mapped[s.pool] = open_pool(s.handle)
             return self._mapped[s.pool]
-
-    def _ready_event(self, s: tensor_pb2.CudaIpcSlot):
-        """The producer's event for a slot whose copy may still be under way (opened once per slot), else None."""
-        if not s.ready_event:
-            return None
-        key = (s.pool, s.slot)
-        with self._lock:
-            held = self._events.get(key)
-            if held is None or held[0] != s.ready_event:
-                held = self._events[key] = (s.ready_event, torch.cuda.Event.from_ipc_handle(s.handle.device, s.ready_event))
-            return held[1]
-
-    def _peer_pool(self, s: tensor_pb2.CudaIpcSlot, target: torch.device):
-        from services.runtime.cuda_ipc import PeerPool
-
-        with self._lock:
-            if (s.pool, target.index) not in self._peers:
-                self._peers[s.pool, target.index] = PeerPool(s.handle, target)
-            return self._peers[s.pool, target.index]
 
     def _view(self, pool: str) -> _PoolView:
         with self._lock:

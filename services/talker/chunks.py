@@ -1,24 +1,27 @@
 """Speech in streaming chunks: the chunks a request's frames are cut into (chunk_plan), what a decode of them falls
 short of (decoded_tail), and a group of chunks launched through code2wav (Vocoding)."""
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from services.talker.seq import TalkerSeq
 
+LEFT_CONTEXT = 25  # frames of left context each chunk is decoded with, as transformers' chunked_decode
 
-def chunk_plan(first: int, size: int, context: int, growth: float = 0.0) -> list[tuple[int, int]]:
-    """The streaming chunks of a request until they repeat, as (frames code2wav sees: left context included,
-    new frames): `first`, then `size` each (growth 0 or 1), or each `growth` times the one before up to
-    `size`; the left context is every frame before the chunk, up to `context`."""
-    plan, start, n = [], 0, first
-    while True:
+
+def chunk_plan(chunks: list[int], context: int) -> list[tuple[int, int]]:
+    """The streaming chunks of a request until they repeat, as (frames code2wav sees: left context included, new
+    frames): `chunks` in order, then the last one again; the left context is every frame before the chunk, up to
+    `context`."""
+    plan, start = [], 0
+    for i in itertools.count():
+        n = chunks[min(i, len(chunks) - 1)]
         plan.append((min(context, start) + n, n))
-        if start >= context and n == size:
+        if start >= context and i >= len(chunks) - 1:
             return plan
         start += n
-        n = size if growth <= 1 or plan[-1][1] >= size else min(size, max(n + 1, round(n * growth)))
 
 
 def decoded_tail(code2wav) -> int:

@@ -1,12 +1,9 @@
-"""code2wav made cheaper on the device: its activations fused (talker.code2wav_fuse), or its decoder run natively
-(talker.code2wav_native).
+"""code2wav's decoder run natively: the same arithmetic as transformers' Qwen3OmniMoeCode2Wav, rounded less often.
 
-transformers' Qwen3OmniMoeCode2Wav decodes a chunk of 32 requests' 50 frames in 116 ms on an H200, about 4.5 ms
-of every 11.3 ms frame step at 32 requests, beside a frame loop it hardly overlaps
-(bench/results/profile-1xh200-talker-b32-eecd411.txt). Its decoder's convolutions are the arithmetic; the time
-goes around them: each SnakeBeta is five passes over the whole signal, each convolution's bias one more, each
-causal pad a copy, cuDNN converts every convolution's input and output between channel layouts, and one
-convolution (dilation 9 at 384 channels) gets a fallback kernel of 18.5 ms where its siblings take 1 ms.
+The decoder's convolutions are the arithmetic; in transformers' module the time goes around them: each SnakeBeta is
+five passes over the whole signal, each convolution's bias one more, each causal pad a copy, cuDNN converts every
+convolution's input and output between channel layouts, and one convolution (dilation 9 at 384 channels) gets a
+slow fallback kernel.
 
 The native decoder keeps the signal channels-last ([B, T, C]), which cuDNN's tensor-core kernels and cuBLAS read
 as they are, and runs each stretch between two convolutions as one pass (`snake_rows`): the bias, the residual,
@@ -14,18 +11,15 @@ SnakeBeta, written straight into the next convolution's zero-padded input. A dil
 undilated one over the signal folded by its dilation (a view, no copy): out[t] reads x[t + k*d], which in
 [T/d, d] is row h + k of column w. The pointwise convolutions are GEMMs with their bias in cuBLAS's epilogue.
 The pre-transformer and the upsampling blocks before the decoder (at 2 to 4 times the frame rate) stay
-transformers'. Same arithmetic, rounded less often.
+transformers'.
 
-A streaming chunk's waveform is kept only after its left context (25 frames before 25 new ones), and the decoder is
-causal: the first kept sample depends on the decoder's inputs at most 19 rows of 480 samples (5 frames) before it.
-So the decoder starts where the kept samples need it to (`first_row`), not at the chunk's first frame: 119 of a
-chunk's 200 rows at those sizes, the kept samples the same.
+A streaming chunk's waveform is kept only after its left context, and the decoder is causal: the first kept sample
+depends on the decoder's inputs at most a few rows before it. So the decoder starts where the kept samples need it
+to (`first_row`), not at the chunk's first frame, the kept samples the same.
 """
 
-import functools
 import math
 import os
-import types
 
 import torch
 import torch.nn.functional as F
@@ -36,35 +30,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs without triton: snake_rows' torch path
     triton = None
-
-
-def _snake(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor, eps: float) -> torch.Tensor:
-    """SnakeBeta, x + sin(x * alpha)^2 / beta with alpha, beta = exp of the module's parameters, as transformers'
-    Qwen3OmniMoeSnakeBeta computes it: x [B, C, T], the parameters [C]."""
-    alpha, beta = log_alpha.exp()[None, :, None], log_beta.exp()[None, :, None]
-    return x + (1.0 / (beta + eps)) * torch.pow(torch.sin(x * alpha), 2)
-
-
-@functools.cache
-def _fused_snake():
-    return torch.compile(_snake, dynamic=True)  # one kernel for every shape: batch, channels and length symbolic
-
-
-def _snake_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return _fused_snake()(x, self.alpha, self.beta, self.no_div_by_zero)
-
-
-def fuse_activations_(code2wav: nn.Module) -> int:
-    """Each SnakeBeta activation of `code2wav` as one compiled kernel (talker.code2wav_fuse): eager, it is five
-    passes over the whole signal (a multiply, a sine, a square, a multiply, an add, each reading and writing it)
-    and a few small ones for its parameters, and code2wav runs 29 of them, most at its highest sample rates. The
-    same arithmetic, rounded once. Returns how many were fused."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
-
-    snakes = [m for m in code2wav.modules() if isinstance(m, Qwen3OmniMoeSnakeBeta)]
-    for m in snakes:
-        m.forward = types.MethodType(_snake_forward, m)
-    return len(snakes)
 
 
 if triton is not None:

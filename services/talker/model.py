@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.llm.layers import DecoderLayer, MRope, RMSNorm
+from services.llm.fusion import fusable
+from services.llm.layers import MLP, Decoder
+from services.llm.moe import SparseMoE
 
 
 class ResizeMLP(nn.Module):
@@ -21,28 +23,29 @@ class ResizeMLP(nn.Module):
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
-class Decoder(nn.Module):
-    """Layers + final norm over given input embeddings [N, D] at positions [3, N]."""
+@fusable
+def shared_combine(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """The routed experts' output plus the shared expert's, scaled by its gate."""
+    return routed + torch.sigmoid(gate) * shared
 
-    def __init__(self, cfg, rope_sections: list[int]):
-        super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = MRope(cfg.head_dim, cfg.rope_parameters["rope_theta"], rope_sections)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`rope`: the rows' (cos, sin) [N, D] already made, in place of `positions` (the code predictor's,
-        whose positions are the same every frame)."""
-        cos, sin = rope if rope is not None else self.rope(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+class SharedExpertMoE(SparseMoE):
+    """The talker's MoE block: the routed experts, plus a shared expert every token goes through, scaled by a
+    sigmoid gate."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        routed = self.routed(x, residual)  # the residual added by the experts' own kernels
+        return shared_combine(routed, self.shared_expert_gate(x), self.shared_expert(x))
 
 
 class TalkerDecoder(Decoder):
     def __init__(self, cfg):
-        super().__init__(cfg, cfg.rope_parameters["mrope_section"])
+        super().__init__(cfg, cfg.rope_parameters["mrope_section"], SharedExpertMoE)
         self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
 
 

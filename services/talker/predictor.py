@@ -5,11 +5,11 @@ predictor's keys sit in a dense cache, a row per request."""
 
 import torch
 
-from services.llm import sampling
+from services.llm import graphs
 from services.llm.attention import DenseAttention
 from services.llm.context import step_context
 from services.llm.host import Laps, StepInputs
-from services.llm.sampling import SamplingParams
+from services.llm.sampling import SamplingParams, sample_tensors
 from services.talker.seq import PREDICTOR_SAMPLING
 
 GREEDY = SamplingParams()
@@ -35,9 +35,7 @@ class PredictorFrames:
         self.graphs = None
 
     def capture(self, sizes: list[int]) -> None:
-        from services.llm.graphs import CapturedGraphs
-
-        self.graphs = CapturedGraphs(sizes, self.body, self.device)
+        self.graphs = graphs.Ladder(sizes, self.body, self.device)
 
     def run(self, seqs: list, code0: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes [B, G] of the frames of `seqs`, and their code embeddings [B, G, D]: first codes and talker
@@ -73,7 +71,6 @@ class PredictorFrames:
         cos, sin = self.rope
         rope = cos[:2].repeat(b, 1), sin[:2].repeat(b, 1)  # positions 0 and 1 for each request
         codes, embeds, cached = [code0], [first], 0
-        draw = sampling.OPS["sample_tensors"]  # compiled with the layers (compile: true)
         counters = base[:, None] + torch.arange(self.groups - 1, device=base.device)  # each group's, in one launch
         for i in range(self.groups - 1):
             n = 2 if i == 0 else 1
@@ -81,7 +78,7 @@ class PredictorFrames:
                 h = cp.model(x, rope=rope)
             cached += n
             # Seeded draws hashed from (seed, frame, group): no generator, no launch per request.
-            code = draw(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, counters[:, i], self.top_k)
+            code = sample_tensors(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, counters[:, i], self.top_k)
             codes.append(code)
             x = cp.model.codec_embedding[i](code)
             embeds.append(x)

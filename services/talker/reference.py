@@ -13,19 +13,17 @@ from transformers import DynamicCache
 
 from services.llm.sampling import SamplingParams, sample_next
 from services.model.load import load_component
+from services.runtime.config import ModelConfig, TalkerConfig
+from services.runtime.protoconv import DTYPES
 from services.talker.seq import PREDICTOR_SAMPLING, TalkerSeq, TalkerStep
 from services.talker.speech import SpeechEngine
 
 
 class ReferenceTalker(SpeechEngine):
-    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                 seed: int = 0, first_chunk_frames: int = 5, chunk_frames: int = 25, left_context_frames: int = 25,
-                 code2wav_dtype: torch.dtype | None = None, chunk_growth: float = 0.0, code2wav_fuse: bool = False,
-                 code2wav_native: bool = False):
-        talker = load_component("talker", model_dir, device, dtype, load_format, seed)
-        super().__init__(talker, model_dir, device, dtype, load_format, seed,
-                         (first_chunk_frames, chunk_frames, left_context_frames, chunk_growth), code2wav_dtype, code2wav_fuse,
-                         code2wav_native)
+    def __init__(self, model: ModelConfig, cfg: TalkerConfig, device: str = "cpu"):
+        dtype = DTYPES[model.dtype]
+        talker = load_component("talker", model.dir, device, dtype, model.load_format, model.seed)
+        super().__init__(talker, model, cfg.chunks, device, dtype, native_code2wav=False)
 
     def add(self, seq: TalkerSeq) -> None:
         super().add(seq)

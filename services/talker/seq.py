@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from services.llm.mrope import Layout
+from services.model.positions import Layout
 from services.llm.sampling import SamplingParams
 
 # The code predictor's own sampling in transformers (fixed there, whatever the talker's settings).

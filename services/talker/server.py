@@ -9,7 +9,7 @@ from services.model.spec import OmniSpec, audio_tokens
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import QUEUE_WAIT, TOKENS, rpc
-from services.runtime.protoconv import DTYPES, layout_from_proto, sampling_from_proto, timings
+from services.runtime.protoconv import layout_from_proto, sampling_from_proto, timings
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
@@ -103,15 +103,9 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
 
 def make_engine(cfg: MeshConfig, device: str):
     """The engine the config names, on `device`."""
-    tc = cfg.talker
-    args = (cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed,
-            tc.first_chunk_frames, tc.chunk_frames, tc.left_context_frames)
-    c2w = None if tc.code2wav_dtype == "model" else DTYPES[tc.code2wav_dtype]
-    if tc.engine == "native":
-        return NativeTalker(*args, **tc.native_args, code2wav_dtype=c2w, chunk_growth=tc.chunk_growth,
-                            code2wav_fuse=tc.code2wav_fuse, code2wav_native=tc.code2wav_native)
-    return ReferenceTalker(*args, code2wav_dtype=c2w, chunk_growth=tc.chunk_growth, code2wav_fuse=tc.code2wav_fuse,
-                           code2wav_native=tc.code2wav_native)
+    if cfg.talker.engine == "native":
+        return NativeTalker(cfg.model, cfg.talker, device)
+    return ReferenceTalker(cfg.model, cfg.talker, device)
 
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:

@@ -9,33 +9,31 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from services.llm import graphs
 from services.llm.host import Laps, mark, reached, seconds_between, upload, upload_into, wait_for
-from services.llm.mrope import mrope_positions, tokens_from_config
 from services.model.load import load_component
+from services.model.positions import mrope_positions, tokens_from_config
 from services.model.spec import OmniSpec
+from services.runtime.config import ModelConfig
 from services.runtime.errors import InvalidArgument
-from services.talker.chunks import Vocoding, chunk_plan, decoded_tail
-from services.talker.code2wav import NativeCode2Wav, fuse_activations_
+from services.talker.chunks import LEFT_CONTEXT, Vocoding, chunk_plan, decoded_tail
+from services.talker.code2wav import NativeCode2Wav
 from services.talker.seq import PREDICTOR_SAMPLING, SpeechChunk, TalkerSeq
 
 
 class SpeechEngine:
     """The engine protocol's request handling, shared; subclasses implement `step`."""
 
-    def __init__(self, talker, model_dir, device, dtype, load_format: str, seed: int, chunking: tuple[int, int, int, float],
-                 code2wav_dtype: torch.dtype | None = None, code2wav_fuse: bool = False, code2wav_native: bool = False):
+    def __init__(self, talker, model: ModelConfig, chunks: list[int], device, dtype, native_code2wav: bool):
+        """`native_code2wav`: code2wav's decoder our own (services/talker/code2wav.py), else transformers'."""
         self.device, self.dtype, self.talker = torch.device(device), dtype, talker
-        # code2wav may run in another precision than the talker (talker.code2wav_dtype; bench.stages code2wav
-        # measures each against float32).
-        self.code2wav = load_component("code2wav", model_dir, device, code2wav_dtype or dtype, load_format,
-                                       seed).requires_grad_(False)
-        if code2wav_fuse:  # talker.code2wav_fuse
-            fuse_activations_(self.code2wav)
+        self.code2wav = load_component("code2wav", model.dir, device, dtype, model.load_format,
+                                       model.seed).requires_grad_(False)
         # A decode of F frames gives F * samples_per_frame - tail samples (decoded_tail)
         self.tail = decoded_tail(self.code2wav)
-        if code2wav_native:  # talker.code2wav_native: its decoder channels-last, one pass between convolutions
+        if native_code2wav:
             self.code2wav = NativeCode2Wav(self.code2wav)
-        self.spec = spec = OmniSpec.load(model_dir)
+        self.spec = spec = OmniSpec.load(model.dir)
         tc = spec.talker
         self.voices = spec.voices
         self.codec = {k: tc[k] for k in ("codec_nothink_id", "codec_think_bos_id", "codec_think_eos_id", "codec_pad_id", "codec_bos_id")}
@@ -47,8 +45,7 @@ class SpeechEngine:
         self.mm_ids = torch.tensor([spec.thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")])
         self.rope_tokens = tokens_from_config(tc)
         self.tts_pad_id = spec.raw["tts_pad_token_id"]
-        self.chunking = chunking
-        self.plan = chunk_plan(*chunking)  # (frames code2wav sees, new frames) of each chunk until they repeat
+        self.plan = chunk_plan(chunks, LEFT_CONTEXT)  # (frames code2wav sees, new frames) of each chunk until they repeat
         self.samples_per_frame = int(self.code2wav.total_upsample)
         self.sample_rate = 24000
         # frames (context included) -> (codes buffer, graphs, the decoder row they start at)
@@ -59,10 +56,8 @@ class SpeechEngine:
         self.vocoding: deque[Vocoding] = deque()  # launched, in launch order (the order they complete in)
         self.live: set[int] = set()  # requests added and not freed: chunks of freed ones are dropped
         self.waited_s = 0.0  # the host's time blocked on the device (`wait`), for the benchmark's host/wait split
-        self.spin_wait = False  # waits on the device poll, not sleep (talker.spin_wait, set by the native engine)
-        # The host's time by phase of its steps (the native engine's: admit, inputs, schedule, plan, launch, sample,
-        # queue, read, vocode, rest; and its waits on the device), summed.
-        self.laps = Laps()
+        if not hasattr(self, "laps"):  # the host's time by phase of its steps, and its waits on the device, summed
+            self.laps = Laps()
 
     def chunk_shapes(self) -> list[int]:
         """The frame counts (left context included) code2wav sees for every chunk but a request's last."""
@@ -73,15 +68,13 @@ class SpeechEngine:
         `max_batch`: launched eagerly, a small chunk's hundreds of kernels cost more on the host than on the
         device. Rows are independent (convolutions and attention run along each row's own time axis), so a
         group pads with zero codes to the next captured size."""
-        from services.llm.graphs import CapturedGraphs, ladder
-
-        sizes = ladder(max_batch)
+        sizes = graphs.ladder(max_batch)
         for frames in self.chunk_shapes():
             codes = torch.zeros(sizes[-1], self.groups, frames, dtype=torch.long, device=self.device)
             # The least left context a chunk of this length has in the plan (a request's last chunk may have more).
             start = min(self._start(self._skip(frames - new)) for f, new in self.plan if f == frames)
-            graphs = CapturedGraphs(sizes, lambda b, codes=codes, start=start: self._waveforms(codes[:b], start), self.device)
-            self.c2w_graphs[frames] = codes, graphs, start
+            ladder = graphs.Ladder(sizes, lambda b, codes=codes, start=start: self._waveforms(codes[:b], start), self.device)
+            self.c2w_graphs[frames] = codes, ladder, start
 
     def _skip(self, context: int) -> int:
         """The samples a chunk's decode makes and drops before the ones it hands out, `context` frames before its first
@@ -91,8 +84,8 @@ class SpeechEngine:
         return context * self.samples_per_frame - self.tail if context else 0
 
     def _start(self, skip: int) -> int:
-        """The first decoder row code2wav needs for the waveform from sample `skip` on (talker.code2wav_native
-        starts there; transformers' module at the chunk's first frame)."""
+        """The first decoder row code2wav needs for the waveform from sample `skip` on (the native decoder starts
+        there; transformers' module at the chunk's first frame)."""
         return self.code2wav.first_row(skip) if isinstance(self.code2wav, NativeCode2Wav) else 0
 
     def _waveforms(self, codes: torch.Tensor, start: int) -> torch.Tensor:
@@ -104,24 +97,22 @@ class SpeechEngine:
         eagerly. A request's last chunk, shorter than the plan's, is replayed from the graph of the shortest
         captured length that holds it, its frames followed by zero codes: no sample a decode of the chunk alone gives
         reads a later frame (only its tail would, decoded_tail), so those samples are the same, and the rest is cut
-        off. Decoded eagerly, 32 requests' last chunks took 144 ms of the talker's step in one go
-        (bench/results/talker-1xh200-b32-laps-2ffb8e0.json)."""
+        off (eager, many requests' last chunks would stall the frame loop)."""
         n, frames, start = len(codes), len(codes[0]), self._start(skip)
-        fits = [f for f, (_, graphs, at) in self.c2w_graphs.items() if f >= frames and n <= graphs.max_batch and at <= start]
+        fits = [f for f, (_, ladder, at) in self.c2w_graphs.items() if f >= frames and n <= ladder.max_batch and at <= start]
         if not fits:
             wav = self._waveforms(upload(codes, self.device, torch.long).transpose(1, 2), start)  # no wait for the device
         else:
-            buf, graphs, start = self.c2w_graphs[min(fits)]
-            b = graphs.size_for(n)
-            # Through numpy, not torch.tensor(), which converts element by element (services/llm/host.py: 3.5 times
-            # slower for a step's page ids): 32 rows of 50 frames are 25,600 codes, at every chunk.
+            buf, ladder, start = self.c2w_graphs[min(fits)]
+            b = ladder.size_for(n)
+            # Through numpy, not torch.tensor(), which converts element by element: tens of thousands of codes a chunk
             rows = np.asarray(codes, dtype=np.int64).transpose(0, 2, 1)
             if frames < buf.shape[2]:  # a last chunk: zero codes after its frames
                 rows = np.pad(rows, ((0, 0), (0, 0), (0, buf.shape[2] - frames)))
             upload_into(buf[:n], rows)
             if b > n:
                 buf[n:b].zero_()
-            wav = graphs.replay(b)[:n]
+            wav = ladder.replay(b)[:n]
         first = start * self.code2wav.row_samples if start else 0  # the sample `wav` starts at
         return wav[..., skip - first:frames * self.samples_per_frame - self.tail - first]
 
@@ -152,7 +143,7 @@ class SpeechEngine:
     def wait(self, m) -> None:
         """wait_for(m), its time counted in `waited_s`."""
         t, c = time.perf_counter(), time.thread_time()
-        wait_for(m, self.spin_wait)
+        wait_for(m)
         t = time.perf_counter() - t
         self.waited_s += t
         self.laps.waited(t, time.thread_time() - c)
@@ -258,7 +249,6 @@ class SpeechEngine:
     def _next_chunk(self, seq: TalkerSeq) -> tuple[int, int, int] | None:
         """(start, end, left context) of the next chunk ready for audio: the plan's (a small first one, then
         larger ones with left context), and whatever is left once the request is done."""
-        context = self.chunking[2]
         if seq.decoded >= len(seq.frames):
             return None
         start, need = 0, 0
@@ -270,7 +260,7 @@ class SpeechEngine:
         if len(seq.frames) - seq.decoded < need and not seq.done:
             return None
         start = seq.decoded
-        return start, min(len(seq.frames), start + need), min(context, start)
+        return start, min(len(seq.frames), start + need), min(LEFT_CONTEXT, start)
 
     def vocode(self, seqs: list[TalkerSeq], wait: bool = False) -> dict[int, tuple[TalkerSeq, list[SpeechChunk]]]:
         """Launches code2wav for every chunk of `seqs` ready for audio, then hands out the chunks whose waveforms

@@ -1,31 +1,27 @@
-"""The native thinker engine: our model on a paged KV cache, continuous batching with chunked prefill,
-one forward per step over every scheduled sequence. Same requests and outputs as the reference engine. Its decode
-steps replay CUDA graphs (services/thinker/decode.py) and, with `overlap`, go ahead of their tokens
-(services/thinker/overlap.py)."""
+"""The native thinker engine: the engine core (services/llm/engine.py) with the thinker's inputs (token and
+multimodal embeddings, M-RoPE positions, DeepStack), its decode graphs (services/thinker/decode.py) and its
+outputs (tokens, and for speech requests the states the talker needs). Same requests and outputs as the
+reference engine."""
 
-import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from services.llm.attention import SeqSlice, TorchAttention, pick_backend
-from services.llm.context import step_context
-from services.llm.fp8 import fp8_layout, quantize_experts_
-from services.llm.host import Laps, upload, wait
-from services.llm.kv_cache import BlockAllocator, KVCache
-from services.llm.layers import fuse, fuse_projections_
-from services.llm.moe import capturable
-from services.llm import pieces
+from services.llm.attention import SeqSlice
+from services.llm.engine import Engine, load_model
+from services.llm.host import upload
 from services.llm.sampling import CANDIDATES, sample_batch, tensor_drawable
-from services.llm.scheduler import Scheduler, SeqState, Work
-from services.model.load import _default_dtype, load_config, load_weights_
+from services.llm.scheduler import SeqState, Work
 from services.model.spec import OmniSpec
+from services.runtime.config import ModelConfig, ThinkerConfig
 from services.runtime.errors import ResourceExhausted
-from services.thinker.decode import DecodeGraphs
+from services.runtime.protoconv import DTYPES
+from services.thinker.decode import TokenGraphs
 from services.thinker.model import ThinkerModel
-from services.thinker.overlap import OverlappedDecode
-from services.thinker.reference import ThinkerSeq, ThinkerStep, accept, validate
+from services.thinker.seq import ThinkerSeq, ThinkerStep, accept, validate
+
+PLACEHOLDER = -1  # a sequence's token drawn by a launched step, not read yet (overlap)
 
 
 @dataclass(eq=False)
@@ -33,108 +29,52 @@ class ThinkerState(SeqState):
     states_sent: int = 0  # positions whose states went out (a recomputed sequence does not send them twice)
 
 
-class NativeThinker(OverlappedDecode):
-    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                 seed: int = 0, block_size: int = 16, kv_blocks: int = 0, max_batched_tokens: int = 2048,
-                 max_seqs: int = 256, moe: str = "loop", fp8_experts: str = "off", fp8_activations: bool = False,
-                 fp8_fused_quant: bool = False,
-                 attention: str = "auto", cuda_graph_max_batch: int = 0, compile: bool = False, overlap: bool = False,
-                 graph_sampling: bool = True, host_states: bool = False, step_graphs: int = 0, decode_tensor_cores: bool = True,
-                 decode_split_kv_max_batch: int = -1, decode_direct_plan: bool = False, decode_keep_plans: bool = False,
-                 decode_mapped_io: bool = False, decode_hashed_noise: bool = False, decode_graph_copies: int = 1,
-                 spin_wait: bool = False, triton_linear: bool = False):
-        self.device, self.dtype = torch.device(device), dtype
-        self.spin_wait = spin_wait  # waits on the device's steps poll, not sleep (services.llm.host.wait)
-        self.graph_sampling = graph_sampling  # captured steps' tokens drawn in the graph where tensor_drawable
-        self.host_states = host_states  # overlapped steps' speech states copied to the host with their tokens
-        self.overlap, self.pending = overlap, None  # the launched decode step whose tokens are not read yet
-        self._launched, self._launch_turn = [None, None], 0  # launched steps' token buffers and their copies' events (_launch_buffers)
-        self.overlapped = 0  # steps launched before the previous one's tokens were read
-        # The host's time by phase of its steps (schedule, inputs, plan, launch, queue, finish, rest; and its waits on
-        # the device), summed.
-        self.laps = Laps()
-        self.decode_tensor_cores = decode_tensor_cores  # captured decode attention on flashinfer's tensor-core kernels
-        self.decode_split_kv_max_batch = decode_split_kv_max_batch  # graphs of more sequences attend without splitting keys
-        self.decode_direct_plan = decode_direct_plan  # decode graphs' attention planned past flashinfer's wrapper
-        self.decode_keep_plans = decode_keep_plans  # and not replanned where the schedule would not change (KeptPlan)
-        self.decode_mapped_io = decode_mapped_io  # decode graphs load their inputs and store their draws themselves
-        self.decode_hashed_noise = decode_hashed_noise  # and draw for unseeded requests from hashed noise, no generator
-        if compile:
-            fuse()
-        config = load_config(model_dir)
-        with torch.device(self.device), _default_dtype(dtype):
-            self.model = ThinkerModel(config.thinker_config)
-        load_weights_(self.model, "thinker", model_dir, dtype, load_format, seed)
-        if fp8_experts != "off":
-            quantize_experts_(self.model, *fp8_layout(fp8_experts, model_dir, load_format, "thinker"),
-                              activations=fp8_activations, fused_quant=fp8_fused_quant)
-        self.model.to(self.device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
-        fuse_projections_(self.model)
-        spec = OmniSpec.load(model_dir)
-        tc = config.thinker_config.text_config
-        self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
-        self.vocab, self.hidden_size = tc.vocab_size, tc.hidden_size
-        self.moe = moe
-        self.triton_linear = triton_linear  # steps of up to 64 rows project attention's output in Triton (triton_linear)
-        self.attention_backend = pick_backend(attention, self.device, dtype)
-        workspace = None
-        if self.attention_backend == "flashinfer":
-            from services.llm.flashinfer_attention import WORKSPACE_BYTES
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        blocks = kv_blocks or self._fitting_blocks(tc, block_size)
-        # One block more than the allocator hands out: padding rows of captured steps write there.
-        self.cache = KVCache.allocate(tc.num_hidden_layers, blocks + 1, block_size, tc.num_key_value_heads, tc.head_dim, dtype, self.device)
-        self.scheduler = Scheduler(BlockAllocator(blocks), block_size, max_batched_tokens, max_seqs)
-        scale, heads = tc.head_dim ** -0.5, tc.num_attention_heads
-        if self.attention_backend == "flashinfer":
-            from services.llm.flashinfer_attention import FlashInferAttention
-            self.attention = FlashInferAttention(self.cache, scale, heads, workspace)
-        else:
-            self.attention = TorchAttention(self.cache, scale)
-        self.states: dict[int, SeqState] = {}
-        self.decode: DecodeGraphs | None = None  # decode steps as CUDA graphs (services/thinker/decode.py)
-        if cuda_graph_max_batch and self.attention_backend == "flashinfer" and capturable(moe, fp8_experts):
-            self.decode = DecodeGraphs(self, min(cuda_graph_max_batch, max_seqs), blocks, scale, heads, workspace,
-                                       decode_mapped_io, decode_graph_copies)
-        # Other steps' layers between attentions as graphs (step_graphs); eager pieces on the CPU.
-        self.pieces = pieces.build(self.model.model, self.cache, step_graphs, max_batched_tokens, moe, blocks * block_size,
-                                   self.attention_backend == "flashinfer" and capturable(moe, fp8_experts), triton_linear)
+@dataclass
+class Launched:
+    """A launched step: its rows, the tokens chosen for the rows that end (`ends`: their indices in `work`; None:
+    every row) on the device and on their way to the host, and what goes out with them."""
+    work: list
+    ends: list[int] | None
+    tokens: torch.Tensor
+    host: torch.Tensor | None  # pinned host memory the tokens land in (read after `event`); None: read `tokens`
+    event: object
+    placeholders: list[bool] | None = None  # launched ahead: the rows given a placeholder token
+    row_of: dict | None = None  # SeqState (hashed by identity) -> row: where a next step's input is
+    states: list | None = None  # per row of `work`: (first position, embeds [n, H], states [n, H]) or None
+    ready: object = None  # an event after `states` and `token_embeds` on the device
+    token_embeds: dict | None = None  # row -> the request's embed_token_ids embedded (its first step)
+    carried: bool = False  # its tokens are the decode graphs' `carry` (the graph's own draws)
+    fence: tuple | None = None  # (Staging, event) where carried: the staging buffer is free once `event` is waited for
 
-    def _fitting_blocks(self, tc, block_size: int) -> int:
-        per_block = KVCache.bytes_per_block(tc.num_hidden_layers, block_size, tc.num_key_value_heads, tc.head_dim, self.dtype)
-        if self.device.type != "cuda":
-            return max(64, (1 << 30) // per_block)  # 1 GiB on the CPU
-        free, _ = torch.cuda.mem_get_info(self.device)
-        # What the weights left, minus room for activations, graphs and sampling: an allocator that runs out
-        # frees its cache and retries on every step, which costs more than the blocks are worth.
-        blocks = int(min(free * 0.8, free - (8 << 30))) // per_block - 1
-        if blocks < 1:
-            raise MemoryError(f"{free / 2**30:.1f} GiB free on {self.device} after the weights: no room for a KV cache "
-                              "(set thinker.kv_blocks to size it by hand)")
-        return blocks
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in pinned host memory, copied once the queue reaches this (read after a later event)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+class NativeThinker(Engine):
+    def __init__(self, model: ModelConfig, cfg: ThinkerConfig, device: str = "cpu"):
+        device = torch.device(device)
+        self.model = load_model(lambda c: ThinkerModel(c.thinker_config), "thinker", model, device, cfg.fp8)
+        super().__init__(self.model.model, self.model.text_config, cfg, device, DTYPES[model.dtype], cfg.fp8)
+        spec = OmniSpec.load(model.dir)
+        self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
+        self.vocab, self.hidden_size = self.text_config.vocab_size, self.text_config.hidden_size
+        self.states: dict[int, ThinkerState] = {}
+        self._launched, self._launch_turn = [None, None], 0  # pinned token buffers and their events, used in turn
+        self.decode = TokenGraphs(self, self.decode_batch) if self.decode_batch else None
 
     @property
     def summary(self) -> str:
-        graphs = f"decode graphs up to {self.decode.max_batch}" if self.decode is not None else "no graphs"
-        if self.pieces is not None:
-            graphs += f", steps of up to {self.pieces.max_tokens} tokens in {'graphs' if self.pieces.graphs else 'pieces'}"
-        return (f"native (attention {self.attention_backend}, experts {self.moe}, {graphs}, "
-                f"{self.scheduler.allocator.num_blocks} KV blocks of {self.scheduler.block_size})")
-
-    @property
-    def capacity(self) -> int:
-        return self.scheduler.allocator.num_blocks * self.scheduler.block_size
-
-    # -- engine protocol ---------------------------------------------------------------------------
+        return super().summary(f", decode graphs up to {self.decode.max_batch}" if self.decode is not None else "")
 
     def add(self, seq: ThinkerSeq) -> None:
         validate(seq, self.vocab, self.hidden_size, self.accept_layer is not None)
         need = len(seq.prompt_ids) + seq.params.max_tokens
         if need > self.capacity:
             raise ResourceExhausted(f"prompt + max_tokens = {need} tokens is more than the KV cache holds ({self.capacity})")
-        if self.decode_hashed_noise and seq.params.temperature > 0 and not seq.params.seed:
-            # A seed of its own, random: every draw of it from hashed noise, in the graphs and out
-            seq.params = replace(seq.params, seed=random.getrandbits(63) | 1)
         state = ThinkerState(tokens=seq.prompt_ids.tolist(), owner=seq)
         self.states[id(seq)] = state
         self.scheduler.add(state)
@@ -147,85 +87,173 @@ class NativeThinker(OverlappedDecode):
         if state is not None:
             self.scheduler.remove(state)
 
-    @torch.no_grad()
-    def step(self, seqs: list[ThinkerSeq]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
-        """One forward over what the scheduler picks from every request added (not only `seqs`). With
-        `overlap`, a decode step is launched first and the previous step's tokens are read after: what this
-        returns is the previous step's (and nothing, the first time)."""
-        t0 = time.perf_counter()
-        self.laps.start()
-        self.last_wait_s = 0.0
-        launched_s = self.decode.graphs.launch_s if self.decode is not None else 0.0
-        work = self.scheduler.schedule()
-        self.laps.lap("schedule")
-        if not work and self.pending is None:
-            return []
-        out = []
-        if work and self.overlap and self._overlappable(work):
-            launched = self._launch(work)
-            if self.pending is not None:
-                out = self._finish(self.pending)
-            self.pending = launched
-        else:
-            if self.pending is not None:  # its tokens are this step's inputs: read them first
-                out = self._finish(self.pending)
-                self.pending = None
-                work = [w for w in work if not w.seq.owner.done]  # ended on the token just read: nothing to compute
-            if work:
-                out += self._step(work)
-        self.laps.lap("rest")
-        elapsed = time.perf_counter() - t0
-        self.last_host_s = elapsed - self.last_wait_s  # the step's own work on the CPU, the device's wait excluded
-        # Of which launching its graph (a wait inside the driver would show here, not in last_wait_s).
-        self.last_launch_s = (self.decode.graphs.launch_s if self.decode is not None else 0.0) - launched_s
+    def account(self, work: list[Work], started: float, seconds: float) -> None:
         for w in work:
             seq = w.seq.owner
             if not seq.started:  # a request's wait for its first step ended at this one's start
-                seq.started = t0
+                seq.started = started
             if w.start < seq.prompt_len:
-                seq.prefill_seconds += elapsed
+                seq.prefill_seconds += seconds
             else:
-                seq.decode_seconds += elapsed
-        return out
+                seq.decode_seconds += seconds
 
-    def _step(self, work: list[Work]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
-        if self._graphable(work):
-            return self._graph_step(work)
+    def runs_ahead(self, work: list[Work]) -> bool:
+        """Every row decodes its sequence's last token (real, or the pending step's), and its sampling needs nothing
+        the pending token would change: no repetition penalty, no minimum length."""
+        for w in work:
+            seq: ThinkerSeq = w.seq.owner
+            p = seq.params
+            if (w.n != 1 or w.start < seq.prompt_len or w.start + 1 != len(w.seq.tokens)
+                    or p.repetition_penalty != 1.0 or (p.min_tokens and p.stop_token_ids)):
+                return False
+        return True
+
+    def launch(self, work: list[Work], ahead: bool) -> Launched:
+        decoding = all(w.n == 1 and w.start >= w.seq.owner.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work)
+        if decoding:
+            return self._launch_decode(work, self.pending if ahead else None, ahead)
         if self.decode is not None:
             self.decode.forget()
+        return self._launch_prompt(work)
+
+    # -- decode steps: one row per sequence, its last token ------------------------------------------
+
+    def _launch_decode(self, work: list[Work], prev: Launched | None, ahead: bool) -> Launched:
+        """A decode step whose input tokens may still be on the device (`prev`'s, launched ahead), and its sampling;
+        takes no token back to the host. Ahead, each row's sequence gets a placeholder token for what it draws,
+        unless that token ends it by length (it is then not scheduled again)."""
+        n = len(work)
+        pending_rows = prev.row_of if prev is not None else {}
+        # The rows' values in comprehensions, not a loop of appends (this runs for every row of every decode step):
+        # where each one's input token is (the pending step's row, or -1: on the host), its draw counter (the pending
+        # token counts), whether its states go out with its token (speech requests, once per position), and whether
+        # the step's draws stand for its token (tensor_drawable).
+        seq_states = [w.seq for w in work]
+        owners = [s.owner for s in seq_states]
+        src = [pending_rows.get(s, -1) for s in seq_states]
+        in_order = prev is not None and src == list(range(n))
+        counters = [len(o.generated) + (r >= 0) for o, r in zip(owners, src)]
+        send = ([o.return_states and w.start + 1 > w.seq.states_sent for o, w in zip(owners, work)]
+                if any(o.return_states for o in owners) else [False] * n)
+        sending = any(send)
+        drawable = all([tensor_drawable(o.params, c, CANDIDATES) for o, c in zip(owners, counters)])
+        host = event = None
+        if self.decode is not None and n <= self.decode.max_batch:
+            # The pending step's tokens taken from `carry` in the graph (copied there unless they are its draws)
+            if prev is not None and not prev.carried and max(src) >= 0:
+                self.decode.carry[:len(prev.tokens)].copy_(prev.tokens)
+            ids = 0 if in_order else [w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)]
+            embeds, captured, logits, drawn = self.decode.replay(work, ids, counters, self.laps, src)
+            if drawable:  # the graph wrote its draws to the host: read after its event
+                tokens, host, event = drawn, self.decode.last_drawn_host, self.decode.last_done
+        else:
+            ids = upload([w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)], self.device, torch.long)
+            if prev is not None and max(src) >= 0:
+                at = upload(src, self.device, torch.long)
+                ids = torch.where(at >= 0, prev.tokens[at.clamp_min(0)], ids)
+            if self.decode is not None:
+                self.decode.forget()
+            positions = upload([w.start + w.seq.owner.rope_delta for w in work], self.device, torch.float32).expand(3, -1)
+            attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, 1) for w in work])
+            embeds = self.model.model.embed_tokens(ids)
+            hidden, captured = self._forward(embeds, positions, attention, self.accept_layer if sending else None)
+            logits = self.model.lm_head(hidden)
+            drawable = False
+        self.scheduler.advance(work)
+        if not drawable:
+            seen = [w.seq.tokens if o.params.repetition_penalty != 1.0 else None for o, w in zip(owners, work)]
+            tokens = sample_batch(logits, [o.params for o in owners], seen, [len(o.generated) for o in owners],
+                                  counters=counters)
+        carried = host is not None  # `carry` holds this step's tokens: the graph's draws
+        fence = (self.decode.last_staging, event) if carried else None
+        states = None
+        if sending:  # the next replay overwrites them: copied out to the host beside the tokens
+            states = [(w.start, row) if sent else None for row, (w, sent) in enumerate(zip(work, send))]
+            copies = _pinned_copy(embeds) if embeds.is_cuda else embeds.clone(), \
+                _pinned_copy(captured) if captured.is_cuda else captured.clone()
+            states = [None if s is None else (s[0], copies[0][s[1]:s[1] + 1], copies[1][s[1]:s[1] + 1]) for s in states]
+            for w, sent in zip(work, send):
+                if sent:
+                    w.seq.states_sent = w.start + 1
+        if not tokens.is_cuda:
+            host = tokens
+        elif host is None or states is not None:  # to the host without waiting: read when the step is finished
+            if host is None:
+                host, event = self._token_buffer(n)
+                host.copy_(tokens, non_blocking=True)
+            if states is not None:  # its own event, after the states' copies
+                event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        placeholders = None
+        if ahead:  # a placeholder for each row's token, but where that token ends it by length
+            placeholders = [c + 1 < o.params.max_tokens for o, c in zip(owners, counters)]
+            for state, placeholder in zip(seq_states, placeholders):
+                if placeholder:
+                    state.tokens.append(PLACEHOLDER)
+        self.laps.lap("queue")
+        return Launched(work, None, tokens, host, event, placeholders, dict(zip(seq_states, range(n))), states,
+                        carried=carried, fence=fence)
+
+    def _forward(self, embeds, positions, attention, capture: int | None, ds_rows=None, deepstack=None):
+        """The normed output of a step run eagerly (in pieces where they hold it) and layer `capture`'s output."""
+        kept = {}
+
+        def run():
+            out, kept["states"] = self.model(embeds, positions, ds_rows, deepstack, capture)
+            return out
+
+        hidden = self.forward(embeds, positions, attention, run, self.model.after_layer(capture, ds_rows, deepstack, kept))
+        return hidden, hidden if capture == len(self.model.model.layers) else kept.get("states")
+
+    def _token_buffer(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A launched step's pinned buffer for its `n` tokens and the event of their copy: two sets used in turn,
+        as a step's tokens are read before the step after next is launched."""
+        self._launch_turn ^= 1
+        if self._launched[self._launch_turn] is None or len(self._launched[self._launch_turn][0]) < n:
+            self._launched[self._launch_turn] = (torch.empty(max(n, 256), dtype=torch.long, pin_memory=True),
+                                                 torch.cuda.Event())
+        host, copied = self._launched[self._launch_turn]
+        return host[:n], copied
+
+    # -- prompt steps: chunks of prompts, beside decode rows -----------------------------------------
+
+    def _launch_prompt(self, work: list[Work]) -> Launched:
         embeds, positions, ds_rows, ds_values = self._inputs(work)
         capture = self.accept_layer if any(w.seq.owner.return_states for w in work) else None
         attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work])
-        if self.pieces is not None and embeds.shape[0] <= self.pieces.max_tokens:
-            hidden, captured = self.pieces.forward(embeds, positions, attention, ds_rows, ds_values, capture)
-        else:
-            with step_context(attention, self.moe, self.triton_linear):
-                hidden, captured = self.model(embeds, positions, ds_rows, ds_values, capture)
+        hidden, captured = self._forward(embeds, positions, attention, capture, ds_rows, ds_values)
         self.scheduler.advance(work)
-        return self._outputs(work, embeds, captured, lambda rows: self.model.lm_head(hidden[upload(rows, self.device, torch.long)]))
-
-    # -- one step ----------------------------------------------------------------------------------
-
-    def _graphable(self, work: list[Work]) -> bool:
-        """Every sequence decodes the one token it generated last (no prompt rows, which may carry media)."""
-        return (self.decode is not None and len(work) <= self.decode.max_batch
-                and all(w.n == 1 and w.start >= w.seq.owner.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work))
-
-    def _graph_step(self, work: list[Work]):
-        counters = [len(w.seq.owner.generated) for w in work]
-        embeds, captured, logits, drawn = self.decode.replay(work, [w.seq.tokens[w.start] for w in work], counters,
-                                                             self.laps)
-        self.scheduler.advance(work)
-        if captured is not None and any(w.seq.owner.return_states for w in work):  # the next replay overwrites them
-            embeds, captured = embeds.clone(), captured.clone()
-        # Every row ends (rows == 0..n-1): the graph's draws are the step's tokens where every row allows them.
-        return self._outputs(work, embeds, captured, lambda rows: logits, self._drawn(work, drawn, counters))
-
-    def _drawn(self, work: list[Work], drawn: torch.Tensor, counters: list[int]) -> torch.Tensor | None:
-        """The tokens a captured step drew, if they stand for every row's (graph_sampling, tensor_drawable)."""
-        if self.graph_sampling and all(tensor_drawable(w.seq.owner.params, c, CANDIDATES) for w, c in zip(work, counters)):
-            return drawn
-        return None
+        ends, last, row = [], [], 0
+        for i, w in enumerate(work):
+            row += w.n
+            if w.start + w.n == len(w.seq.tokens):  # caught up with its tokens: choose the next one
+                ends.append(i)
+                last.append(row - 1)
+        tokens = None
+        if ends:
+            owners = [work[i].seq.owner for i in ends]
+            seen = [work[i].seq.tokens if s.params.repetition_penalty != 1.0 else None for i, s in zip(ends, owners)]
+            generated = [len(s.generated) for s in owners]
+            logits = self.model.lm_head(hidden[upload(last, self.device, torch.long)])
+            tokens = sample_batch(logits, [s.params for s in owners], seen, generated, counters=generated)
+        states, token_embeds, row = [], {}, 0
+        for i, w in enumerate(work):
+            seq: ThinkerSeq = w.seq.owner
+            state = None
+            if seq.return_states and w.start + w.n > w.seq.states_sent:  # rows a preempted sequence recomputes: once
+                skip = max(0, w.seq.states_sent - w.start)
+                state = (w.start + skip, embeds[row + skip:row + w.n], captured[row + skip:row + w.n])
+                w.seq.states_sent = w.start + w.n
+            states.append(state)
+            if seq.embed_token_ids and not seq.generated and w.start == 0:
+                token_embeds[i] = self.model.model.embed_tokens(upload(seq.embed_token_ids, self.device, torch.long))
+            row += w.n
+        ready = None
+        if self.device.type == "cuda" and (token_embeds or any(s is not None for s in states)):
+            ready = torch.cuda.Event()  # one event after the step's output tensors (see ThinkerStep.ready)
+            ready.record(torch.cuda.current_stream(self.device))
+        self.laps.lap("queue")
+        return Launched(work, ends, tokens, None, None, states=states, ready=ready, token_embeds=token_embeds)
 
     def _inputs(self, work: list[Work]):
         """Input embeddings [N, H] (multimodal rows from their spans), positions [3, N], DeepStack rows and values."""
@@ -242,9 +270,8 @@ class NativeThinker(OverlappedDecode):
                 if span.deepstack:
                     ds_rows.append(torch.arange(row + lo - w.start, row + hi - w.start))
                     ds_values.append([d[lo - span.offset:hi - span.offset] for d in span.deepstack])
-            prompt_len = len(seq.prompt_ids)
             pos = (idx + seq.rope_delta).float().expand(3, -1).clone()
-            in_prompt = idx < prompt_len
+            in_prompt = idx < seq.prompt_len
             if seq.positions is not None and in_prompt.any():
                 pos[:, in_prompt] = seq.positions[:, idx[in_prompt]]
             elif in_prompt.any():
@@ -260,61 +287,54 @@ class NativeThinker(OverlappedDecode):
         # device to finish what this step queued before it.
         return torch.cat(embeds), upload(torch.cat(positions, dim=1), self.device), ds_rows if deepstack else None, deepstack
 
-    def _outputs(self, work: list[Work], embeds, captured, logits_of, drawn=None) -> list[tuple[ThinkerSeq, ThinkerStep]]:
-        """Each request's step output; its token drawn from the rows that end (`drawn`: already drawn for them, in
-        row order, by a captured step)."""
-        ends, row = [], 0
-        for w in work:
-            row += w.n
-            if w.start + w.n == len(w.seq.tokens):  # caught up with its tokens: choose the next one
-                ends.append((w, row - 1))
-        sampled = {}
-        if ends:
-            logits = logits_of([r for _, r in ends])
-            owners = [w.seq.owner for w, _ in ends]
-            seen = [w.seq.tokens if s.params.repetition_penalty != 1.0 else None
-                    for (w, _), s in zip(ends, owners)]
-            generated = [len(s.generated) for s in owners]
-            chosen = drawn if drawn is not None else sample_batch(logits, [s.params for s in owners], seen, generated,
-                                                                  counters=generated)
-            self.laps.lap("queue")
-            t_wait, c_wait = time.perf_counter(), time.thread_time()
-            if self.spin_wait and chosen.is_cuda:
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-                wait(done, True)
-            tokens = chosen.tolist()  # the step's one wait on the device
-            self.last_wait_s = time.perf_counter() - t_wait
-            self.laps.waited(self.last_wait_s, time.thread_time() - c_wait)
-            sampled = {id(w): t for (w, _), t in zip(ends, tokens)}
-        out, row = [], 0
-        for w in work:
-            seq: ThinkerSeq = w.seq.owner
-            step = ThinkerStep([])
-            if seq.return_states and w.start + w.n > w.seq.states_sent:  # rows a preempted sequence recomputes are sent once
-                skip = max(0, w.seq.states_sent - w.start)
-                step.state_start = w.start + skip
-                step.embeds, step.hidden = embeds[row + skip:row + w.n], captured[row + skip:row + w.n]
-                w.seq.states_sent = w.start + w.n
-            if seq.embed_token_ids and not seq.generated and w.start == 0:
-                step.token_embeds = self.model.model.embed_tokens(upload(seq.embed_token_ids, self.device, torch.long))
-            if id(w) in sampled:
-                w.seq.tokens.append(sampled[id(w)])
-                accept(seq, step, sampled[id(w)])
-            row += w.n
-            if step.token_ids or step.embeds is not None or step.token_embeds is not None:
-                out.append((seq, step))
-        out = self._mark_ready(out)
+    # -- reading a step back -------------------------------------------------------------------------
+
+    def finish(self, p: Launched) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+        """The step's tokens, read now (its device work is done or nearly): each placeholder filled, each request's
+        output. Rows of requests freed or ended meanwhile are dropped."""
+        t_wait, c_wait = time.perf_counter(), time.thread_time()
+        if p.event is not None:
+            p.event.synchronize()
+            if p.fence is not None:  # the graph's staging buffer is free again: its next fill asks the driver nothing
+                p.fence[0].reached(p.fence[1])
+        tokens = (p.host if p.host is not None else p.tokens).tolist() if p.tokens is not None else []
+        self.laps.waited(time.perf_counter() - t_wait, time.thread_time() - c_wait)
+        out = self._decoded(p, tokens) if p.ends is None else self._prompted(p, tokens)
         self.laps.lap("finish")
         return out
 
-    def _mark_ready(self, out: list[tuple[ThinkerSeq, ThinkerStep]]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
-        """One event after the step's output tensors, for the steps that carry any (see ThinkerStep.ready)."""
-        carrying = [step for _, step in out if step.embeds is not None or step.token_embeds is not None]
-        if carrying and self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-            for step in carrying:
-                step.ready = ready
+    def _decoded(self, p: Launched, tokens: list[int]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+        out, live = [], self.states
+        for row, (w, token) in enumerate(zip(p.work, tokens)):
+            state = w.seq
+            seq: ThinkerSeq = state.owner
+            if live.get(id(seq)) is not state or seq.done:
+                continue
+            if p.placeholders is not None and p.placeholders[row]:
+                state.tokens[w.start + 1] = token
+            else:
+                state.tokens.append(token)
+            step = ThinkerStep([])
+            if p.states is not None and p.states[row] is not None:
+                step.state_start, step.embeds, step.hidden = p.states[row]  # on the host, complete after the event
+            out.append((seq, accept(seq, step, token)))
         return out
 
+    def _prompted(self, p: Launched, tokens: list[int]) -> list[tuple[ThinkerSeq, ThinkerStep]]:
+        sampled = dict(zip(p.ends, tokens))
+        out = []
+        for i, w in enumerate(p.work):
+            seq: ThinkerSeq = w.seq.owner
+            if self.states.get(id(seq)) is not w.seq:
+                continue
+            step = ThinkerStep([])
+            if p.states[i] is not None:
+                step.state_start, step.embeds, step.hidden = p.states[i]
+            step.token_embeds = p.token_embeds.get(i)
+            if i in sampled:
+                w.seq.tokens.append(sampled[i])
+                accept(seq, step, sampled[i])
+            if step.token_ids or step.embeds is not None or step.token_embeds is not None:
+                step.ready = p.ready if (step.embeds is not None or step.token_embeds is not None) else None
+                out.append((seq, step))
+        return out

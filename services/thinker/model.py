@@ -5,23 +5,19 @@ lm_head. Names follow the checkpoint (`model.*`, `lm_head`), so the component lo
 import torch
 from torch import nn
 
-from services.llm.layers import DecoderLayer, MRope, RMSNorm
+from services.llm.layers import Decoder
 
 
-class TextModel(nn.Module):
+class TextModel(Decoder):
     def __init__(self, cfg):
-        super().__init__()
+        super().__init__(cfg, cfg.rope_parameters["mrope_section"])
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        rope = cfg.rope_parameters
-        self.rope = MRope(cfg.head_dim, rope["rope_theta"], rope["mrope_section"])
 
 
 class ThinkerModel(nn.Module):
     def __init__(self, thinker_config):
         super().__init__()
-        cfg = thinker_config.text_config
+        self.text_config = cfg = thinker_config.text_config
         self.model = TextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -40,3 +36,13 @@ class ThinkerModel(nn.Module):
                 x = x.index_add(0, deepstack_rows, deepstack[i].to(x.dtype))
         out = self.model.norm(x)
         return out, (out if capture_layer == len(self.model.layers) else captured)
+
+    def after_layer(self, capture_layer: int | None, deepstack_rows, deepstack, kept: dict):
+        """The same work between layers for a forward run in pieces (services/llm/pieces.py), on the residual
+        stream in place: layer `capture_layer`'s output copied into kept["states"], DeepStack added."""
+        def hook(i: int, x: torch.Tensor) -> None:
+            if capture_layer == i + 1:
+                kept["states"] = x.clone()
+            if deepstack is not None and i < len(deepstack):
+                x.index_add_(0, deepstack_rows, deepstack[i].to(x.dtype))
+        return hook

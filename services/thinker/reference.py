@@ -5,108 +5,23 @@ plain, with a DynamicCache per request and no batching across requests.
 """
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from services.llm.sampling import SamplingParams, sample_next
+from services.llm.sampling import sample_next
 from services.model.load import load_component
 from services.model.spec import OmniSpec
-from services.runtime.errors import InvalidArgument
-
-
-@dataclass
-class Span:
-    """Embeddings that replace prompt_ids[offset : offset + len(embeds)]."""
-    offset: int
-    embeds: torch.Tensor  # [n, H]
-    deepstack: list[torch.Tensor] = field(default_factory=list)  # per tap, [n, H]; vision only
-
-
-@dataclass
-class ThinkerSeq:
-    request_id: str
-    prompt_ids: torch.Tensor  # [L] int64
-    params: SamplingParams
-    positions: torch.Tensor | None = None  # [3, L] float32; None: 0, 1, 2, ...
-    rope_delta: float = 0.0
-    spans: list[Span] = field(default_factory=list)
-    return_states: bool = False
-    embed_token_ids: list[int] = field(default_factory=list)
-    # engine state
-    done: bool = False
-    stop_reason: str = ""  # "eos" | "length"
-    generated: list[int] = field(default_factory=list)
-    cache: DynamicCache | None = None
-    generator: torch.Generator | None = None
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    arrived: float = field(default_factory=time.perf_counter)  # made when the request reached the stage
-    started: float = 0.0  # when a step first computed it (its wait: started - arrived)
-    # len(prompt_ids), kept: a tensor's len() runs torch's Python __len__, and a decode step asked for every row's
-    # three times (800 calls over 8 steps at 32 requests in bench/results/profile-1xh200-b32-decode-fp8a8-a7aa69a.txt).
-    prompt_len: int = field(init=False, default=0)
-
-    def __post_init__(self):
-        self.prompt_len = len(self.prompt_ids)
-
-    @property
-    def n_cached(self) -> int:
-        return 0 if self.cache is None else len(self.prompt_ids) + len(self.generated) - 1
-
-
-@dataclass
-class ThinkerStep:
-    token_ids: list[int]
-    state_start: int = 0
-    embeds: torch.Tensor | None = None  # [n, H] decoder input embeddings of the positions just processed
-    hidden: torch.Tensor | None = None  # [n, H] accept_hidden_layer output of those positions
-    token_embeds: torch.Tensor | None = None
-    stop_reason: str = ""
-    # A CUDA event recorded once the tensors above are queued: a consumer waits for it alone, not for whatever
-    # the engine queued after (None: they are complete, or on the CPU).
-    ready: object = None
-
-
-def validate(seq: ThinkerSeq, vocab: int, hidden: int, has_states: bool) -> None:
-    n = len(seq.prompt_ids)
-    if n == 0:
-        raise InvalidArgument("empty prompt")
-    if int(seq.prompt_ids.max()) >= vocab or int(seq.prompt_ids.min()) < 0:
-        raise InvalidArgument(f"prompt token ids must lie in [0, {vocab})")
-    if seq.positions is not None and tuple(seq.positions.shape) != (3, n):
-        raise InvalidArgument(f"positions must be 3 x {n}, got {tuple(seq.positions.shape)}")
-    if seq.return_states and not has_states:
-        raise InvalidArgument("this checkpoint has no talker: states cannot be returned")
-    for span in seq.spans:
-        rows, width = span.embeds.shape
-        if span.offset < 0 or span.offset + rows > n or width != hidden or any(d.shape != span.embeds.shape for d in span.deepstack):
-            raise InvalidArgument(f"multimodal span at {span.offset} of shape {tuple(span.embeds.shape)} does not fit a prompt of {n} x {hidden}")
-
-
-def accept(seq: ThinkerSeq, step: ThinkerStep, token: int) -> ThinkerStep:
-    """`token` is the request's next: its output, and whether it ends the request ('eos' or 'length' as its stop
-    reason). Every decode step runs this for each of its requests."""
-    generated = seq.generated
-    generated.append(token)
-    step.token_ids = [token]
-    p, n = seq.params, len(generated)
-    if token in p.stop_token_ids and not p.ignore_eos and n >= p.min_tokens:
-        seq.stop_reason = step.stop_reason = "eos"
-    elif n >= p.max_tokens:
-        seq.stop_reason = step.stop_reason = "length"
-    else:
-        seq.stop_reason = step.stop_reason = ""
-    seq.done = bool(seq.stop_reason)
-    return step
+from services.runtime.config import ModelConfig
+from services.runtime.protoconv import DTYPES
+from services.thinker.seq import ThinkerSeq, ThinkerStep, accept, validate
 
 
 class ReferenceThinker:
-    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto", seed: int = 0):
-        self.device, self.dtype = torch.device(device), dtype
-        self.lm = load_component("thinker", model_dir, device, dtype, load_format, seed)
-        spec = OmniSpec.load(model_dir)
+    def __init__(self, model: ModelConfig, device: str = "cpu"):
+        self.device, self.dtype = torch.device(device), DTYPES[model.dtype]
+        self.lm = load_component("thinker", model.dir, device, self.dtype, model.load_format, model.seed)
+        spec = OmniSpec.load(model.dir)
         self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
         self.vocab = spec.thinker["text_config"]["vocab_size"]
         self.hidden_size = spec.thinker_hidden

@@ -6,12 +6,13 @@ from omni.stage.v1 import thinker_pb2, thinker_pb2_grpc
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import QUEUE_WAIT, TOKENS, rpc
-from services.runtime.protoconv import DTYPES, sampling_from_proto, timings
+from services.runtime.protoconv import sampling_from_proto, timings
 from services.runtime.server import Stage, engine_stage
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 from services.thinker.engine import NativeThinker
-from services.thinker.reference import ReferenceThinker, Span, ThinkerSeq
+from services.thinker.reference import ReferenceThinker
+from services.thinker.seq import Span, ThinkerSeq
 
 STOP_REASONS = {"eos": thinker_pb2.STOP_REASON_EOS, "length": thinker_pb2.STOP_REASON_LENGTH}
 
@@ -70,11 +71,9 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
 
 def make_engine(cfg: MeshConfig, device: str):
     """The engine the config names, on `device`."""
-    tc = cfg.thinker
-    args = (cfg.model.dir, device, DTYPES[cfg.model.dtype], cfg.model.load_format, cfg.model.seed)
-    if tc.engine == "native":
-        return NativeThinker(*args, **tc.native_args)
-    return ReferenceThinker(*args)
+    if cfg.thinker.engine == "native":
+        return NativeThinker(cfg.model, cfg.thinker, device)
+    return ReferenceThinker(cfg.model, device)
 
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:

@@ -1,28 +1,50 @@
-"""The encoder engine: one tower call per step for every request's media equals one call per item."""
+"""The encoder engine: one tower call per step for every request's media, through our varlen attention, equals
+transformers' own towers called per item."""
 
 import numpy as np
 import torch
 
 from references import png, wav
-from services.encoder.reference import EncodeJob, Item, ReferenceEncoder
+from references import model_config
+from services.encoder.engine import EncodeJob, Encoder, Item
 from services.preprocess.media import PixelNorm, Preprocessor, open_image
-from services.runtime.config import Limits
+from services.runtime.config import EncoderConfig, Limits
 
 
-def test_batched_towers_equal_one_call_per_item(tiny_model):
+def transformers_embeds(model_dir, items: list[Item]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Each item through transformers' own tower (its SDPA attention), one call per item."""
+    from services.model.load import load_component
+
+    vision, audio = load_component("vision", model_dir), load_component("audio", model_dir)
+    norm, out = PixelNorm(model_dir), []
+    with torch.no_grad():
+        for item in items:
+            if item.kind == "audio":
+                lens = torch.tensor([item.values.shape[1]])
+                out.append((audio(item.values, feature_lens=lens).last_hidden_state, []))
+            else:
+                r = vision(norm(item.values, torch.float32), grid_thw=torch.tensor([item.grid_thw]))
+                out.append((r.pooler_output, list(r.deepstack_features)))
+    return out
+
+
+def test_the_engines_batched_towers_equal_transformers_per_item(tiny_model):
+    """Images of four sizes, a video and clips of three lengths (windows of unequal length), two requests in one
+    step: the engine's one call per tower gives the embeddings and DeepStack features transformers' towers give
+    each item alone, in order, each as many rows as its tokens."""
     pre = Preprocessor(tiny_model, Limits())
-    feats = [pre.image(png(1, 64, 48)), pre.audio_file(wav(2, 1.0)), pre.image(png(3, 96, 64)),
-             pre.video([png(4 + i, 64, 64) for i in range(3)], 2.0), pre.audio_file(wav(5, 2.5))]
+    feats = [pre.image(png(1, 64, 48)), pre.image(png(2, 64, 48)), pre.image(png(3, 96, 64)), pre.image(png(4, 32, 32)),
+             pre.video([png(5 + i, 64, 64) for i in range(3)], 2.0),
+             pre.audio_file(wav(8, 1.0)), pre.audio_file(wav(9, 2.5)), pre.audio_file(wav(10, 7.0))]
     items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
-    jobs = lambda: [EncodeJob(items[:2]), EncodeJob(items[2:])]  # noqa: E731 - two requests in one step
-    one, many = ReferenceEncoder(tiny_model), ReferenceEncoder(tiny_model, batch=True)
-    for (_, a), (_, b) in zip(one.step(jobs()), many.step(jobs())):
-        for x, y in zip(a, b):
-            assert x.embeds.shape == y.embeds.shape and len(x.deepstack) == len(y.deepstack)
-            torch.testing.assert_close(y.embeds, x.embeds, rtol=1e-5, atol=1e-6)
-            for dx, dy in zip(x.deepstack, y.deepstack):
-                torch.testing.assert_close(dy, dx, rtol=1e-5, atol=1e-6)
-    assert [len(e.embeds) for _, enc in many.step(jobs()) for e in enc] == [f.num_tokens for f in feats]
+    engine = Encoder(model_config(tiny_model), EncoderConfig())
+    got = [e for _, enc in engine.step([EncodeJob(items[:5]), EncodeJob(items[5:])]) for e in enc]
+    for (embeds, deepstack), y, f in zip(transformers_embeds(tiny_model, items), got, feats):
+        assert len(y.embeds) == f.num_tokens
+        torch.testing.assert_close(y.embeds, embeds, rtol=1e-5, atol=1e-6)
+        assert len(deepstack) == len(y.deepstack)
+        for dx, dy in zip(deepstack, y.deepstack):
+            torch.testing.assert_close(dy, dx, rtol=1e-5, atol=1e-6)
 
 
 def test_varlen_attention_equals_one_sdpa_call_per_item():
@@ -53,44 +75,6 @@ def test_varlen_attention_equals_one_sdpa_call_per_item():
         assert "cu_seqlens" in str(e)
 
 
-def test_towers_with_varlen_attention_equal_transformers_sdpa(tiny_model):
-    """encoder.attention: varlen (one SDPA call per layer for all of a call's items, no wait on the device)
-    gives the embeddings and DeepStack features transformers' own SDPA path gives: images of three sizes, a
-    video, clips of three lengths (windows of unequal length), in one batched step and one call per item."""
-    pre = Preprocessor(tiny_model, Limits())
-    feats = [pre.image(png(1, 64, 48)), pre.image(png(2, 64, 48)), pre.image(png(3, 96, 64)), pre.image(png(4, 32, 32)),
-             pre.video([png(5 + i, 64, 64) for i in range(3)], 2.0),
-             pre.audio_file(wav(8, 1.0)), pre.audio_file(wav(9, 2.5)), pre.audio_file(wav(10, 7.0))]
-    items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
-    ref = ReferenceEncoder(tiny_model, attention="sdpa")
-    want = [e for _, enc in ref.step([EncodeJob(items)]) for e in enc]
-    for batch in (True, False):
-        ours = ReferenceEncoder(tiny_model, batch=batch, attention="varlen")
-        got = [e for _, enc in ours.step([EncodeJob(items[:5]), EncodeJob(items[5:])]) for e in enc]
-        for x, y in zip(want, got):
-            torch.testing.assert_close(y.embeds, x.embeds, rtol=1e-5, atol=1e-6)
-            assert len(x.deepstack) == len(y.deepstack)
-            for dx, dy in zip(x.deepstack, y.deepstack):
-                torch.testing.assert_close(dy, dx, rtol=1e-5, atol=1e-6)
-
-
-def test_compiled_towers_equal_the_eager_ones(tiny_model):
-    """encoder.compile: the towers compiled (inductor; on the CPU here) give the eager towers' embeddings for
-    images of two sizes and clips of two lengths in one batched step, after the start's warm-up."""
-    pre = Preprocessor(tiny_model, Limits())
-    feats = [pre.image(png(1, 64, 48)), pre.image(png(2, 96, 64)), pre.audio_file(wav(3, 1.0)), pre.audio_file(wav(4, 2.5))]
-    items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
-    eager = ReferenceEncoder(tiny_model, batch=True, attention="varlen")
-    compiled = ReferenceEncoder(tiny_model, batch=True, attention="varlen", compile=True)
-    compiled.warm(image_side=64, clip_seconds=1.0)
-    want = [e for _, enc in eager.step([EncodeJob(items)]) for e in enc]
-    got = [e for _, enc in compiled.step([EncodeJob(items)]) for e in enc]
-    for x, y in zip(want, got):
-        torch.testing.assert_close(y.embeds, x.embeds, rtol=1e-4, atol=1e-5)
-        for dx, dy in zip(x.deepstack, y.deepstack):
-            torch.testing.assert_close(dy, dx, rtol=1e-4, atol=1e-5)
-
-
 def test_pixels_normalised_where_the_encoder_runs_equal_the_processors(tiny_model):
     """Preprocessing hands on the resized image's bytes (uint8 patches, a quarter of float32's); the encoder's
     normalisation gives the floats transformers' image processor gives, to float32 rounding."""
@@ -105,8 +89,6 @@ def test_pixels_normalised_where_the_encoder_runs_equal_the_processors(tiny_mode
         torch.testing.assert_close(norm(torch.from_numpy(f.values), torch.float32), expected, rtol=0, atol=1e-6)
     floats = torch.randn(4, 1536)
     assert torch.equal(norm(floats, torch.float32), floats)  # already normalised: passed through
-    on_cpu = Preprocessor(tiny_model, Limits(), pixels="float32").image(data)  # the A/B's other side
-    assert on_cpu.values.dtype == np.float32 and np.array_equal(on_cpu.values, norm(torch.from_numpy(f.values), torch.float32).numpy())
 
 
 def test_image_patches_are_the_processors_own_bytes(tiny_model):
@@ -140,69 +122,16 @@ def test_image_patches_are_the_processors_own_bytes(tiny_model):
         assert got.num_tokens == int(np.prod(got.grid_thw)) // 4
 
 
-def test_log_mel_from_the_waveform_equals_the_feature_extractors(tiny_model):
-    """preprocess.audio: pcm hands on the 16 kHz waveform; the encoder's LogMel gives the features (and the
-    preprocessor the frame and token counts) transformers' Whisper feature extractor gives, at every length
-    around a hop's edges and the shortest accepted."""
-    from transformers import WhisperFeatureExtractor
-
-    from services.preprocess.media import LogMel
-
-    fe, mel = WhisperFeatureExtractor.from_pretrained(tiny_model), LogMel(tiny_model)
-    rng = np.random.default_rng(0)
-    for n in (201, 1000, 16000 * 7, 16000 * 7 + 1, 16000 * 7 + 159, 16000 * 30 + 77):
-        pcm = (rng.standard_normal(n) * 0.1).astype(np.float32)
-        pcm[: n // 3] = 0  # silence: its log power far below the peak, floored 8 below it
-        out = fe([pcm], sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="np")
-        frames = int(out["attention_mask"][0].sum())
-        expected = torch.from_numpy(out["input_features"][0][:, :frames])
-        got = mel(torch.from_numpy(pcm))
-        assert got.shape == expected.shape == (fe.feature_size, n // fe.hop_length), n
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    clip = wav(2, 2.5)
-    as_mel, as_pcm = Preprocessor(tiny_model, Limits()).audio_file(clip), Preprocessor(tiny_model, Limits(), audio="pcm").audio_file(clip)
-    assert as_pcm.values.ndim == 1 and as_pcm.values.dtype == np.float32
-    assert (as_pcm.num_tokens, as_pcm.feature_length) == (as_mel.num_tokens, as_mel.feature_length)
-    torch.testing.assert_close(mel(torch.from_numpy(as_pcm.values)), torch.from_numpy(as_mel.values), rtol=0, atol=1e-5)
-
-
-def test_the_encoder_makes_features_from_waveforms(tiny_model):
-    """Audio items sent as waveforms encode to what their features encode to, alone and batched with images;
-    a waveform too short for one window, or of integers, is refused by name."""
-    import pytest
-
-    from services.runtime.errors import InvalidArgument
-
-    mel_pre, pcm_pre = Preprocessor(tiny_model, Limits()), Preprocessor(tiny_model, Limits(), audio="pcm")
-    clips = [wav(2, 1.0), wav(5, 2.5)]
-    image = mel_pre.image(png(1, 64, 48))
-    for batch in (False, True):
-        enc = ReferenceEncoder(tiny_model, batch=batch)
-        runs = []
-        for pre in (mel_pre, pcm_pre):
-            feats = [pre.audio_file(c) for c in clips] + [image]
-            items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
-            job = EncodeJob(items)
-            enc.add(job)
-            runs.append([e.embeds for e in enc.step([job])[0][1]])
-        for a, b in zip(*runs):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
-    for values, message in ((torch.zeros(200), "more than 200"), (torch.zeros(4000, dtype=torch.int16), "float samples")):
-        with pytest.raises(InvalidArgument, match=message):
-            enc.add(EncodeJob([Item("audio", values)]))
-
-
 def test_audio_too_short_for_one_window_is_refused_by_name(tiny_model):
     """Between one hop (160 samples) and half a window (200) the extractor itself failed with a RuntimeError."""
     import pytest
 
     from services.runtime.errors import InvalidArgument
 
-    for audio in ("mel", "pcm"):
-        pre = Preprocessor(tiny_model, Limits(), audio=audio)
-        with pytest.raises(InvalidArgument, match="too short"):
-            pre.audio_pcm(np.zeros(180, dtype="<i2").tobytes(), 16000, "s16le", 1)
-        assert pre.audio_pcm(np.zeros(201, dtype="<i2").tobytes(), 16000, "s16le", 1).feature_length == 1
+    pre = Preprocessor(tiny_model, Limits())
+    with pytest.raises(InvalidArgument, match="too short"):
+        pre.audio_pcm(np.zeros(180, dtype="<i2").tobytes(), 16000, "s16le", 1)
+    assert pre.audio_pcm(np.zeros(201, dtype="<i2").tobytes(), 16000, "s16le", 1).feature_length == 1
 
 
 def test_vision_plans_give_what_the_tower_derives_itself(tiny_model):
@@ -242,15 +171,6 @@ def test_vision_plans_give_what_the_tower_derives_itself(tiny_model):
     assert plans(grids) is plan and plans.made == 1  # kept: the same plan for the same grids
     plans(grids[:1]), plans(grids[1:2])  # two more lists: the oldest of three goes (size 2)
     assert plans.made == 3 and grids not in plans.plans and plans(grids[:1]) is plans.plans[grids[:1]]
-
-
-def test_encoder_graphs_are_refused_where_they_cannot_run(tiny_model):
-    """encoder.graphs needs a GPU and varlen attention: asked for on the CPU, or with sdpa, the engine says so."""
-    import pytest
-
-    for attention in ("varlen", "sdpa"):
-        with pytest.raises(ValueError, match="encoder graphs need a GPU and varlen attention"):
-            ReferenceEncoder(tiny_model, batch=True, attention=attention, graphs=True)
 
 
 def mock_host_reads(read):

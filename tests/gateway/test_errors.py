@@ -241,7 +241,7 @@ def test_thinker_states_out_of_order_fail_the_talker_call_at_once(any_mesh):
     ids = AutoTokenizer.from_pretrained(cfg.model.dir).apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
     ids = ids if isinstance(ids, list) else ids["input_ids"]
-    inline = Transport(TransportConfig(shm=False, cuda_ipc=False), "test", "")
+    inline = Transport(TransportConfig(shm=False), "test")
     start = talker_pb2.TalkerStart(request_id="ooo", prompt_ids=ids, voice="", tts_embeds=inline.put(torch.zeros(3, hidden), None))
     start.sampling.max_tokens = 4
     rows = inline.put(torch.zeros(2, 2, hidden), None)  # embeds and hidden of two positions

@@ -33,8 +33,8 @@ def full_mesh(tmp_path_factory):
         "gateway": {"replicas": [replica()]},
         "preprocess": {"replicas": [replica()]},
         "encoder": {"replicas": [replica("cuda:0", prefer_for=["audio"]), replica(second, prefer_for=["text"])]},
-        "thinker": {"replicas": [replica("cuda:0")]},
-        "talker": {"replicas": [replica(second)]},
+        "thinker": {"replicas": [replica("cuda:0")], "kv_blocks": 4096},  # sized by hand: the GPU may be shared
+        "talker": {"replicas": [replica(second)], "kv_blocks": 2048},
     }
     (tmp / "mesh.yaml").write_text(yaml.safe_dump(cfg))
     mesh = Mesh(tmp / "mesh.yaml", log_dir=tmp / "logs")

@@ -40,29 +40,36 @@ def test_thinker_calls_are_routed_by_output_modality(two_thinkers):
 
 
 def test_a_thinker_replica_that_dies_fails_its_call_by_name_and_the_other_serves_the_rest(tiny_model, tmp_path):
-    """Replica 1 (preferred for speech) is killed: the speech request sent to it fails as UNAVAILABLE naming the
-    thinker replica, and every request after it, speech and text, is served by replica 0. Load reports are polled
-    once a minute here, so it is the failed call, not a poll between, that routes the later ones around it."""
+    """Replica 1 (preferred for speech) is killed while it streams a speech request's text: that call fails as
+    UNAVAILABLE naming the thinker replica, and every request after it, speech and text, is served by replica 0."""
     import os
     import signal
 
     import grpc
 
-    from client_util import error_of
+    from omni.v1 import omni_pb2_grpc
     from services.launch import Mesh
 
-    mesh = Mesh(write_config(tmp_path / "mesh.yaml", tiny_model, encoders=1, thinkers=2, gateway={"load_poll_ms": 60000}),
-                log_dir=tmp_path / "logs")
+    mesh = Mesh(write_config(tmp_path / "mesh.yaml", tiny_model, encoders=1, thinkers=2), log_dir=tmp_path / "logs")
     mesh.start(timeout=180)
     try:
         assert len(generate(mesh.gateway_address, CASES["text"].request(speech=True, max_tokens=3, frames=2)).codes) == 2
         dead = mesh.procs["thinker-1"]
-        os.kill(dead.pid, signal.SIGKILL)
+        long = CASES["text"].request(speech=True, max_tokens=200, frames=200)
+        long.sampling.ignore_eos = True
+        with grpc.insecure_channel(mesh.gateway_address) as channel:
+            stream = omni_pb2_grpc.OmniStub(channel).Generate(long, timeout=120)
+            try:
+                assert next(stream).WhichOneof("event") == "text"  # under way on replica 1
+                os.kill(dead.pid, signal.SIGKILL)
+                for _ in stream:
+                    pass
+                raise AssertionError("the call outlived its thinker")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                address = mesh.cfg.thinker.replicas[1].address
+                assert f"thinker replica 1 ({address}) is unavailable" in err.details(), err.details()
         dead.wait(timeout=30)
-        err = error_of(mesh.gateway_address, CASES["text"].request(speech=True, max_tokens=3, frames=2))
-        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
-        address = mesh.cfg.thinker.replicas[1].address
-        assert f"thinker replica 1 ({address}) is unavailable" in err.details(), err.details()
         for speech in (True, False, True):
             result = generate(mesh.gateway_address, CASES["text"].request(speech=speech, max_tokens=3, frames=2))
             assert len(result.token_ids) == 3 and (len(result.codes) == 2) == speech

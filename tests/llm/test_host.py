@@ -39,15 +39,6 @@ def test_uploads_on_the_cpu():
     assert torch.equal(dst, torch.tensor(codes).transpose(1, 2))
 
 
-def test_the_host_lists_benchmark_measures_both_ways(tmp_path):
-    from bench import host_lists, results
-
-    host_lists.main(["--out", str(tmp_path / "h.json"), "--reps", "3"])
-    cells = results.read(tmp_path / "h.json")["cells"]
-    assert [c["values"] for c in cells] == [32, 1024, 4096]
-    assert all(c["torch_tensor_us"] > 0 and c["numpy_us"] > 0 and c["pinned"] is False for c in cells)
-
-
 def test_laps_charge_each_phase_its_time_less_the_waits_inside_it(monkeypatch):
     """Clock reads 0, 1, 4, 10 (start, lap, lap, lap) with a wait of 2 inside the second phase: schedule 1,
     launch 3 - 2 = 1, finish 6, wait 2; per step over two steps, half of each."""
@@ -155,24 +146,3 @@ def test_a_fence_the_caller_has_waited_for_is_not_waited_for_again():
     staging.fence(None)
     staging.fill()  # buffer 1: waited for here
     assert (first.synchronized, second.synchronized, other.synchronized) == (0, 1, 0)
-
-
-def test_wait_polls_the_event_when_spinning_and_sleeps_in_the_driver_otherwise():
-    from services.llm.host import wait
-
-    class Event:
-        def __init__(self, busy: int):
-            self.busy, self.queries, self.synchronized = busy, 0, 0
-
-        def query(self) -> bool:
-            self.queries += 1
-            return self.queries > self.busy
-
-        def synchronize(self) -> None:
-            self.synchronized += 1
-
-    polled, slept = Event(busy=1000), Event(busy=1000)
-    wait(polled, spin=True)
-    wait(slept, spin=False)
-    assert (polled.queries, polled.synchronized) == (1001, 0)
-    assert (slept.queries, slept.synchronized) == (0, 1)

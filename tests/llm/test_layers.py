@@ -2,7 +2,7 @@
 
 import torch
 
-from services.llm.layers import MLP, SparseMoE, fuse_projections_
+from services.llm.layers import MLP, fuse_projections_
 
 
 def test_a_fused_mlp_equals_the_plain_one():
@@ -24,10 +24,14 @@ def test_a_fused_mlp_equals_the_plain_one():
 
 def test_a_moe_block_with_a_shared_expert_adds_the_residual_once():
     """The talker's block: routed experts (the residual added in their kernels) plus the gated shared expert."""
+    from types import SimpleNamespace
+
     from services.llm.context import step_context
+    from services.talker.model import SharedExpertMoE
 
     torch.manual_seed(0)
-    moe = SparseMoE(16, experts=4, intermediate=8, top_k=2, norm_topk=True, shared=12)
+    moe = SharedExpertMoE(SimpleNamespace(hidden_size=16, num_experts=4, moe_intermediate_size=8, num_experts_per_tok=2,
+                                          norm_topk_prob=True, shared_expert_intermediate_size=12))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     fuse_projections_(moe)

@@ -145,15 +145,18 @@ def test_one_op_max_is_builtins_max():
 
 
 class _FakeCuda:
-    """What CapturedGraphs asks of torch.cuda, on the CPU: streams that do nothing, and graphs that record the body's
-    outputs at capture and count their replays (no device here: the turn-taking is what is under test)."""
+    """What graphs.Graphs asks of torch.cuda, on the CPU: streams that do nothing, and graphs that record the body's
+    outputs at capture and count their replays, in pools named by their first graph."""
+    made = 0
 
     class CUDAGraph:
-        def __init__(self, keep_graph=False):
+        def __init__(self):
             self.replays = 0
+            _FakeCuda.made += 1
+            self.name = f"pool{_FakeCuda.made}"
 
         def pool(self):
-            return "pool"
+            return self.name
 
         def replay(self):
             self.replays += 1
@@ -171,7 +174,14 @@ class _FakeCuda:
         def wait_stream(self, other):
             pass
 
-    Stream = stream = graph = _Null
+    pools: list = []  # each capture's pool argument
+
+    class graph(_Null):
+        def __init__(self, graph, pool=None, **kwargs):
+            _FakeCuda.pools.append(pool)
+            graph.name = pool or graph.name  # a graph captured into a pool hands out that pool
+
+    Stream = stream = _Null
 
     @staticmethod
     def current_stream(device=None):
@@ -182,24 +192,23 @@ class _FakeCuda:
         pass
 
 
-def test_captured_graphs_replay_their_copies_in_turn_each_with_its_own_outputs(monkeypatch):
-    """thinker.decode_graph_copies: each size recorded `copies` times (one body run each, after two warm-ups); the
-    replays of a size take its copies in turn, each returning the outputs its own capture made."""
+def test_a_ladder_records_each_size_once_largest_first_in_one_pool(monkeypatch):
+    """Each size's body run twice outside the graph, then recorded, the largest first; every graph after the first
+    in the first one's pool; a replay returns the outputs its capture made; a batch takes the smallest size over it."""
     from services.llm import graphs
 
-    monkeypatch.setattr(graphs, "torch", types.SimpleNamespace(cuda=_FakeCuda))  # graphs' own torch.cuda only
+    monkeypatch.setattr(graphs, "torch", types.SimpleNamespace(cuda=_FakeCuda, no_grad=torch.no_grad, device=torch.device))
+    _FakeCuda.pools.clear()
     runs = []
 
     def body(b):
         runs.append(b)
         return (torch.full((b,), float(len(runs))),)
 
-    captured = graphs.CapturedGraphs([1, 4], body, torch.device("cpu"), copies=3)
-    assert runs == [4] * 5 + [1] * 5  # largest first: two warm-ups, then three captures
-    assert [len(c) for c in captured.copies.values()] == [3, 3] and captured.graphs[4] is captured.copies[4][0]
-    outs = [captured.replay(4)[0][0].item() for _ in range(7)]
-    assert outs == [3.0, 4.0, 5.0, 3.0, 4.0, 5.0, 3.0]  # the three captures' outputs, in turn
-    assert [g.replays for g, _ in captured.copies[4]] == [3, 2, 2] and captured.replays == 7
-    assert captured.replay(1)[0].tolist() == [8.0]  # the other size keeps its own turn
-    with pytest.raises(ValueError, match="copies must be at least 1"):
-        graphs.CapturedGraphs([1], body, torch.device("cpu"), copies=0)
+    ladder = graphs.Ladder([1, 4, 2], body, torch.device("cpu"))
+    assert runs == [4, 4, 4, 2, 2, 2, 1, 1, 1] and ladder.sizes == [1, 2, 4] and ladder.max_batch == 4
+    first = ladder.graphs.graphs[4][0].name
+    assert _FakeCuda.pools == [None, first, first] and ladder.graphs.pool == first  # one pool: the first graph's
+    assert ladder.replay(4)[0].tolist() == [3.0] * 4 and ladder.replay(1)[0].tolist() == [9.0]
+    assert ladder.replay(4)[0].tolist() == [3.0] * 4 and ladder.replays == 3
+    assert [ladder.size_for(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]

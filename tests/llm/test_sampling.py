@@ -105,24 +105,6 @@ def test_tensor_settings_draw_what_sample_batch_draws():
         args = (logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.top_k for p in params]),
                 torch.tensor([p.top_p for p in params]), torch.tensor([p.seed for p in params]), torch.tensor(c), 50)
         assert sample_tensors(*args).tolist() == expected.tolist()
-        # Every sampled row seeded: the same draws with no generator at all (decode_hashed_noise)
-        assert sample_tensors(*args, False).tolist() == expected.tolist()
-
-
-def test_tensor_draws_without_a_generator_hash_every_rows_noise(monkeypatch):
-    """sample_tensors(generator=False) never draws from torch's generator (a graph holding it holds no generator
-    state), and a row seeded 0 draws from noise hashed from seed 0 like any other."""
-    from services.llm.sampling import sample_tensors
-
-    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
-    logits[2] = logits[0]
-    t = torch.tensor
-    args = (logits, t([0.8, 0.8, 0.8]), t([40, 40, 40]), t([0.9, 0.9, 0.9]), t([0, 7, 0]), t([3, 3, 3]), 50)
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda *a, **k: pytest.fail("drew from torch's generator"))
-    with pytest.raises(pytest.fail.Exception):
-        sample_tensors(*args)  # by default a row seeded 0 draws from the generator
-    drawn = sample_tensors(*args, False)
-    assert drawn[0] == drawn[2] and drawn.tolist() == sample_tensors(*args, False).tolist()  # hashed: repeatable
 
 
 @pytest.mark.parametrize("vocab", [4096, 8192])  # candidates by one sort of the row, and by a top-k

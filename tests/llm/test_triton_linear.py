@@ -16,7 +16,7 @@ CHILD = r"""
 import json
 import torch
 import torch.nn.functional as F
-from services.llm import layers, triton_linear
+from services.llm import fusion, layers, triton_linear
 
 torch.manual_seed(0)
 out = {}
@@ -38,18 +38,19 @@ w = torch.randn(64, 256).to(torch.bfloat16)
 out["usable"] = [triton_linear.usable(torch.randn(r, 256).to(torch.bfloat16), w) for r in (1, 64, 65)]
 out["usable_other_shape"] = triton_linear.usable(torch.randn(4, 128).to(torch.bfloat16), torch.randn(64, 128).to(torch.bfloat16))
 
-# The output projection's piece, compiled as the engines run it (layers.fuse), through the kernel: the residual stream
+# The output projection's piece, compiled as the engines run it (fusion.fuse), through the kernel: the residual stream
 # and normed output of the eager piece through F.linear (its product rounded to bf16, then added), bit for bit (float32
 # dots here); the kernel run where the rows are few. (Inductor's CPU code keeps F.linear's product in float32 for the
 # add, so the compiled piece through F.linear is not the reference here: on a GPU cuBLAS rounds it.)
-layers.fuse()
+fusion.fuse()
 calls, partials = [], triton_linear.partials
 triton_linear.partials = lambda x, w, cfg=None: calls.append(x.shape[0]) or partials(x, w, cfg)
 x_w, norm_w = torch.randn(64, 256).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
 for rows in (3, 17, 80):
     x, attn = torch.randn(rows, 64).to(torch.bfloat16), torch.randn(rows, 256).to(torch.bfloat16)
-    got = layers.OPS["post_attention"](x, attn, x_w, norm_w, 1e-6, True)
-    want = layers.post_attention(x, attn, x_w, norm_w, 1e-6, False)
+    got = layers.post_attention(x, attn, x_w, norm_w, 1e-6)
+    res = x + torch.nn.functional.linear(attn, x_w)
+    want = res, layers.rms_norm.plain(res, norm_w, 1e-6)
     out[f"post_attention/{rows}"] = all(torch.equal(a, b) for a, b in zip(got, want))
 out["kernel_rows"] = calls
 print(json.dumps(out))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.llm.mrope import Layout, mrope_positions, tokens_from_config
+from services.model.positions import Layout, mrope_positions, tokens_from_config
 from services.model.load import load_config
 from services.model.spec import OmniSpec, audio_tokens
 

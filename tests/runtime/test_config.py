@@ -1,14 +1,18 @@
-"""The mesh config is typed and checked when loaded."""
+"""The mesh config is typed, composed from a base and overlays, checked when loaded, and documented."""
+
+import dataclasses
+import typing
 
 import pytest
 import yaml
 
 from conftest import ROOT
+from services.runtime import config
 from services.runtime.config import ConfigError, load_config
 
 
-def write(tmp_path, data) -> str:
-    path = tmp_path / "c.yaml"
+def write(tmp_path, data, name: str = "c.yaml") -> str:
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
     return str(path)
 
@@ -20,11 +24,26 @@ def base():
 
 
 def test_shipped_configs_load():
-    paths = sorted((ROOT / "configs").glob("*.yaml"))
-    assert {"local.yaml", "2xh200.yaml", "bench-2xh200.yaml"} <= {p.name for p in paths}
+    paths = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.stem.endswith("-base"))
+    assert {"local.yaml", "2xh200.yaml", "bench-2xh200.yaml", "bench-1xh200-mesh.yaml"} <= {p.name for p in paths}
     for path in paths:
         cfg = load_config(path)
         assert cfg.thinker.replicas and cfg.gateway.replicas, path.name
+
+
+def test_the_gpu_configs_compose_from_one_base():
+    """The deployment and the benchmark meshes share the H200 base's settings; the one-GPU and two-thinker meshes
+    are small overlays of the benchmark's, their replicas where they say."""
+    deploy, bench = load_config(ROOT / "configs" / "2xh200.yaml"), load_config(ROOT / "configs" / "bench-2xh200.yaml")
+    one = load_config(ROOT / "configs" / "bench-1xh200-mesh.yaml")
+    two = load_config(ROOT / "configs" / "bench-2xh200-two-thinkers.yaml")
+    for cfg in (deploy, bench, one, two):
+        assert (cfg.thinker.fp8, cfg.thinker.kv_blocks, cfg.preprocess.workers) == ("channel", 16384, 8)
+        assert cfg.transport.pool_bytes == 1 << 30
+    assert deploy.model.load_format == "auto" and bench.model.load_format == "random" == one.model.load_format
+    assert [r.device for r in one.encoder.replicas] == ["cuda:0"] and one.talker.replicas[0].device == "cuda:0"
+    assert one.talker.kv_blocks == 4096 and bench.talker.kv_blocks == 0
+    assert [r.device for r in two.thinker.replicas] == ["cuda:0", "cuda:1"] and two.encoder == bench.encoder
 
 
 @pytest.mark.parametrize("change, message", [
@@ -34,11 +53,13 @@ def test_shipped_configs_load():
     (lambda c: c["thinker"]["replicas"][0].update(port=1), "already used"),
     (lambda c: c["thinker"].update(replicas=[]), "at least one replica"),
     (lambda c: c["encoder"]["replicas"][0].update(prefer_for=["video"]), "not one of"),
-    (lambda c: c["limits"].update(max_new_tokens=True) if "limits" in c else c.update(limits={"max_new_tokens": True}), "expected int"),
+    (lambda c: c.update(limits={"max_new_tokens": True}), "expected int"),
     (lambda c: c["model"].update(path=""), "model.path is required"),
-    (lambda c: c.setdefault("transport", {}).update(cross_gpu_read="push"), "not one of"),
-    (lambda c: c.setdefault("talker", {}).update(code2wav_native=True, code2wav_fuse=True), "leave talker.code2wav_fuse off"),
-    (lambda c: c["thinker"].update(decode_graph_copies=0), "decode_graph_copies must be at least 1"),
+    (lambda c: c["thinker"].update(fp8="tile"), "not one of"),
+    (lambda c: c["thinker"].update(block_size=0), "must be positive"),
+    (lambda c: c.update(talker={"chunks": [4, 0]}), "talker.chunks must be positive"),
+    (lambda c: c.update(talker={"chunks": []}), "talker.chunks must be positive"),
+    (lambda c: c.update(preprocess={**c["preprocess"], "workers": 0}), "preprocess.workers"),
 ])
 def test_mistakes_are_named(tmp_path, change, message):
     data = base()
@@ -54,114 +75,60 @@ def test_random_weights_need_no_checkpoint(tmp_path):
 
 
 def test_overrides_apply_on_top_of_the_file_and_are_checked(tmp_path):
-    from services.runtime.config import ConfigError, load_config
-
-    path = tmp_path / "m.yaml"
-    path.write_text(yaml.safe_dump({"model": {"load_format": "random"}, "gateway": {"replicas": [{"port": 1, "metrics_port": 2}]},
-                                    "preprocess": {"replicas": [{"port": 3, "metrics_port": 4}]},
-                                    "encoder": {"replicas": [{"port": 5, "metrics_port": 6}]},
-                                    "thinker": {"replicas": [{"port": 7, "metrics_port": 8}]}}))
-    cfg = load_config(path, ["thinker.engine=native", "thinker.cuda_graph_max_batch=32", "model.dtype=bfloat16"])
-    assert (cfg.thinker.engine, cfg.thinker.cuda_graph_max_batch, cfg.model.dtype) == ("native", 32, "bfloat16")
+    path = write(tmp_path, {**base(), "model": {"load_format": "random"}})
+    cfg = load_config(path, ["thinker.engine=reference", "thinker.cuda_graph_max_batch=32", "model.dtype=float32"])
+    assert (cfg.thinker.engine, cfg.thinker.cuda_graph_max_batch, cfg.model.dtype) == ("reference", 32, "float32")
     with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
         load_config(path, ["thinker.cuda_graph_max_batch=many"])
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(path, ["thinker.engine"])
-    # A bare off is a bool to YAML: where the setting's choices are words, it means the word (the bf16 half
-    # of scripts/thinker-2xh200 once failed on `--set thinker.fp8_experts=off`).
-    assert load_config(path, ["thinker.fp8_experts=channel"]).thinker.fp8_experts == "channel"
-    assert load_config(path, ["thinker.fp8_experts=off"]).thinker.fp8_experts == "off"
-    with pytest.raises(ConfigError, match="True is not one of"):
-        load_config(path, ["thinker.fp8_experts=on"])
+    # A bare off is a bool to YAML: where the setting's choices are words, it means the word.
+    assert load_config(path, ["thinker.fp8=off"]).thinker.fp8 == "off"
+    assert load_config(path, ["thinker.fp8=channel"]).thinker.fp8 == "channel"
+    with pytest.raises(ConfigError, match="not one of"):
+        load_config(path, ["thinker.fp8=on"])
 
 
-def test_fp8_activations_need_fp8_experts(tmp_path):
-    c = base()
-    c["thinker"]["fp8_activations"] = True
-    with pytest.raises(ConfigError, match="thinker.fp8_activations needs fp8 experts"):
-        load_config(write(tmp_path, c))
-    c["thinker"]["fp8_experts"] = "channel"
-    assert load_config(write(tmp_path, c)).thinker.native_args["fp8_activations"] is True
-    c["talker"] = {"fp8_experts": "channel", "fp8_fused_quant": True}  # quantises what is not fp8
-    with pytest.raises(ConfigError, match="talker.fp8_fused_quant quantises the experts' fp8 activations"):
-        load_config(write(tmp_path, c))
-    c["talker"]["fp8_activations"] = True
-    assert load_config(write(tmp_path, c)).talker.native_args["fp8_fused_quant"] is True
+def test_a_config_extends_another_section_by_section(tmp_path):
+    """Its keys over the base's: mappings merged key by key, lists (replicas, chunks) replaced whole; a base named
+    relative to the file; a file extending itself, or a base that is not there, named."""
+    (tmp_path / "sub").mkdir()
+    write(tmp_path, {**base(), "thinker": {**base()["thinker"], "kv_blocks": 7, "fp8": "channel"},
+                     "talker": {"chunks": [2, 4]}}, "base.yaml")
+    path = write(tmp_path / "sub", {"extends": "../base.yaml", "thinker": {"kv_blocks": 9},
+                                    "encoder": {"replicas": [{"port": 11, "metrics_port": 12, "device": "cuda:1"}]},
+                                    "talker": {"chunks": [8]}})
+    cfg = load_config(path)
+    assert (cfg.thinker.kv_blocks, cfg.thinker.fp8, cfg.thinker.replicas[0].port) == (9, "channel", 7)
+    assert [r.port for r in cfg.encoder.replicas] == [11] and cfg.talker.chunks == [8]
+    assert load_config(path, ["thinker.kv_blocks=3"]).thinker.kv_blocks == 3
+    write(tmp_path, {"extends": "b.yaml"}, "a.yaml")
+    write(tmp_path, {"extends": "a.yaml"}, "b.yaml")
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(FileNotFoundError):
+        load_config(write(tmp_path, {"extends": "missing.yaml"}, "d.yaml"))
 
 
-def test_unsplit_decode_attention_needs_the_tensor_core_kernels(tmp_path):
-    c = base()
-    c["talker"] = {"decode_split_kv_max_batch": 16, "decode_tensor_cores": False}
-    with pytest.raises(ConfigError, match="talker.decode_split_kv_max_batch needs talker.decode_tensor_cores"):
-        load_config(write(tmp_path, c))
-    c["talker"]["decode_tensor_cores"] = True
-    assert load_config(write(tmp_path, c)).talker.native_args["decode_split_kv_max_batch"] == 16
+def test_a_launched_mesh_gets_the_config_whole(tmp_path):
+    """write_overridden resolves `extends:` and the overrides into one file the stages read as it is."""
+    write(tmp_path, base(), "base.yaml")
+    path = write(tmp_path, {"extends": "base.yaml", "thinker": {"kv_blocks": 9}}, "over.yaml")
+    out = config.write_overridden(path, ["thinker.overlap=false"], tmp_path / "out" / "whole.yaml")
+    data = yaml.safe_load(out.read_text())
+    assert "extends" not in data and data["thinker"]["kv_blocks"] == 9 and data["thinker"]["overlap"] is False
+    assert load_config(out).thinker.replicas[0].port == 7
 
 
-def test_direct_decode_plans_are_the_thinkers_default_and_only_for_the_tensor_core_kernels(tmp_path):
-    cfg = load_config(write(tmp_path, base()))
-    assert cfg.thinker.native_args["decode_direct_plan"] is True
-    assert cfg.talker.native_args["decode_direct_plan"] is False  # off until measured
-    c = base()
-    c["thinker"] = {**c["thinker"], "decode_tensor_cores": False}  # the CUDA-core kernel plans through the wrapper
-    assert load_config(write(tmp_path, c)).thinker.native_args["decode_direct_plan"] is False
-    c["talker"] = {**c.get("talker", {}), "decode_direct_plan": True}
-    assert load_config(write(tmp_path, c)).talker.native_args["decode_direct_plan"] is True
+def test_every_field_says_what_it_does():
+    hints = typing.get_type_hints(config.MeshConfig)
+    sections = [config.Replica] + [hints[f.name] for f in dataclasses.fields(config.MeshConfig)]
+    for cls in sections:
+        docs = config.field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if f.name != "replicas" and not docs.get(f.name)]
+        assert not missing, (cls.__name__, missing)
 
 
-def test_polled_waits_are_off_by_default_and_each_engines_choice(tmp_path):
-    cfg = load_config(write(tmp_path, base()))
-    assert cfg.thinker.native_args["spin_wait"] is False and cfg.talker.native_args["spin_wait"] is False
-    c = base()
-    c["thinker"] = {**c["thinker"], "spin_wait": True}
-    c["talker"] = {**c.get("talker", {}), "spin_wait": True}
-    cfg = load_config(write(tmp_path, c))
-    assert cfg.thinker.native_args["spin_wait"] is True and cfg.talker.native_args["spin_wait"] is True
-
-
-def test_encoder_graphs_need_varlen_attention(tmp_path):
-    c = base()
-    c["encoder"].update(graphs=True, attention="sdpa")
-    with pytest.raises(ConfigError, match="encoder.graphs needs encoder.attention: varlen"):
-        load_config(write(tmp_path, c))
-    c["encoder"]["attention"] = "varlen"
-    assert load_config(write(tmp_path, c)).encoder.graphs is True
-
-
-def test_the_one_gpu_mesh_config_differs_from_the_benchmark_one_only_in_its_devices():
-    """bench-1xh200-mesh.yaml is bench-2xh200.yaml on one GPU (a session lent one): every stage on cuda:0, one
-    encoder for both kinds of output, the talker's KV cache sized by hand; nothing else may drift."""
-    import dataclasses
-
-    two = dataclasses.asdict(load_config(ROOT / "configs" / "bench-2xh200.yaml"))
-    one = dataclasses.asdict(load_config(ROOT / "configs" / "bench-1xh200-mesh.yaml"))
-    assert [r["device"] for r in two["encoder"].pop("replicas")] == ["cuda:0", "cuda:1"]
-    assert [(r["device"], sorted(r["prefer_for"])) for r in one["encoder"].pop("replicas")] == [("cuda:0", ["audio", "text"])]
-    for stage in ("thinker", "talker"):
-        assert [r["device"] for r in one[stage].pop("replicas")] == ["cuda:0"]
-        two[stage].pop("replicas")
-    assert one["talker"].pop("kv_blocks") == 4096 and two["talker"].pop("kv_blocks") == 0  # not half the shared GPU
-    assert one == two
-
-
-def test_the_two_thinker_config_differs_from_the_benchmark_one_only_where_it_means_to():
-    """bench-2xh200-two-thinkers.yaml is a copy of bench-2xh200.yaml for an A/B: a copy that drifted would
-    measure more than the second thinker."""
-    import dataclasses
-
-    one = dataclasses.asdict(load_config(ROOT / "configs" / "bench-2xh200.yaml"))
-    two = dataclasses.asdict(load_config(ROOT / "configs" / "bench-2xh200-two-thinkers.yaml"))
-    assert len(two["thinker"].pop("replicas")) == 2 and len(one["thinker"].pop("replicas")) == 1
-    assert two["talker"].pop("kv_blocks") == 16384 and one["talker"].pop("kv_blocks") == 0
-    assert one == two
-
-
-def test_kept_plans_and_mapped_io_are_the_thinkers_defaults_and_each_turns_off(tmp_path):
-    cfg = load_config(write(tmp_path, base()))
-    assert cfg.thinker.native_args["decode_keep_plans"] is True and cfg.thinker.native_args["decode_mapped_io"] is True
-    assert cfg.talker.native_args["decode_keep_plans"] is False and "decode_mapped_io" not in cfg.talker.native_args
-    assert cfg.thinker.native_args["decode_hashed_noise"] is False  # off until measured
-    c = base()
-    c["thinker"] = {**c["thinker"], "decode_keep_plans": False, "decode_mapped_io": False}
-    args = load_config(write(tmp_path, c)).thinker.native_args
-    assert args["decode_keep_plans"] is False and args["decode_mapped_io"] is False
+def test_the_configuration_reference_is_current():
+    assert (ROOT / "docs" / "config.md").read_text() == config.reference(), \
+        "docs/config.md is stale: python -m services.runtime.config > docs/config.md"

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8]
 SHAPES = [(1,), (7,), (3, 5), (256, 2048), (2, 3, 4), (1000, 33)]
-CFG = TransportConfig(cuda_pool_bytes=256 << 20, max_slots=512, reclaim_after_s=60.0, inline_bytes=0)  # host tensors: shm
-IN_FLIGHT = 64  # refs a test producer has out at once (of CFG's 512 slots and 256 MB)
-QUICK_RECLAIM = TransportConfig(cuda_pool_bytes=64 << 20, max_slots=64, reclaim_after_s=3.0)
+CFG = TransportConfig(cuda_pool_bytes=256 << 20, reclaim_after_s=60.0)
+IN_FLIGHT = 64  # refs a test producer has out at once (of 256 MB)
+QUICK_RECLAIM = TransportConfig(cuda_pool_bytes=64 << 20, reclaim_after_s=3.0)
 
 
 _BASE: dict = {}
@@ -36,9 +36,10 @@ def tensor(i: int, device) -> torch.Tensor:
 
 
 def producer(device: str, n: int, outs, report, name: str, go, cfg=CFG) -> None:
-    from services.runtime.transport import Transport
+    from services.runtime import transport
 
-    t = Transport(cfg, name, "local")
+    transport.INLINE_BYTES = 0  # host tensors of every size through shared memory
+    t = transport.Transport(cfg, name)
     go.wait()  # every consumer is up: none starts late enough to find its slots reclaimed
     cuda = device.startswith("cuda")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=cuda)
@@ -63,7 +64,7 @@ def producer(device: str, n: int, outs, report, name: str, go, cfg=CFG) -> None:
 def consumer(device: str, inbox, report, name: str, cfg=CFG) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(cfg, name, "local")
+    t = Transport(cfg, name)
     torch.zeros(1, device=device)
     report.send("ready")
     count = bad = 0
@@ -119,19 +120,6 @@ def test_bit_exact_to_the_same_gpu_and_across_gpus():
     assert [r[2] for r in results if r[0] == "producer"] == [0]
 
 
-@pytest.mark.parametrize("read", ["source", "pull"])
-def test_puts_that_return_before_their_copies_are_read_bit_exact(read):
-    """transport.ipc_events: a put returns once its copy is queued; the ref carries the slot's interprocess
-    event and each consumer's copy (same GPU, other GPU; PyTorch's or pulled) waits on it: every byte exact,
-    every slot back, over many puts each reusing slots and their events."""
-    cfg = dataclasses.replace(CFG, ipc_events=True, cross_gpu_read=read)
-    n = len(DTYPES) * len(SHAPES) * 6
-    results = run([("cuda:0", n)], devices(), cfg)
-    consumers = [r for r in results if r[0] == "consumer"]
-    assert sum(r[2] for r in consumers) == n and all(r[3] == 0 for r in consumers), results
-    assert [r[2] for r in results if r[0] == "producer"] == [0]
-
-
 def test_ten_thousand_transfers_leave_the_pool_empty():
     results = run([("cuda:0", 10_000)], devices())
     assert sum(r[2] for r in results if r[0] == "consumer") == 10_000
@@ -149,7 +137,7 @@ def test_concurrent_producers_and_consumers():
 def _map_and_die(data: bytes, ready) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(QUICK_RECLAIM, "dying", "local")
+    t = Transport(QUICK_RECLAIM, "dying")
     ref = tensor_pb2.TensorRef.FromString(data)
     t._mapped_pool(ref.cuda)  # maps the pool, never reads or releases the slot
     ready.set()
@@ -159,7 +147,7 @@ def _map_and_die(data: bytes, ready) -> None:
 def test_a_killed_consumers_slots_are_reclaimed():
     from services.runtime.transport import Transport
 
-    t = Transport(QUICK_RECLAIM, "killprod", "local")
+    t = Transport(QUICK_RECLAIM, "killprod")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     refs = [t.put(tensor(i, "cuda:0"), placement) for i in range(20)]
     ctx = mp.get_context("spawn")
@@ -188,7 +176,7 @@ def _busy(device: str) -> None:
 def _read_while_busy(first: bytes, second: bytes, device: str, expected, report) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "busyread", "local")
+    t = Transport(CFG, "busyread")
     torch.zeros(1, device=device)
     t.get(tensor_pb2.TensorRef.FromString(first), device)  # maps the pool (opening a handle may wait for the device)
     with torch.cuda.device(device):
@@ -203,7 +191,7 @@ def test_puts_and_gets_wait_for_their_own_copies_not_for_the_stages_other_work()
     that work still runs (their copies run on the transport's own streams), with the bytes exact."""
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "busyput", "local")
+    t = Transport(CFG, "busyput")
     try:
         placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
         x = tensor(3, "cuda:0")
@@ -240,10 +228,10 @@ def test_host_refs_read_to_a_busy_gpu_wait_for_their_own_copy():
     are exact. From pageable memory on the caller's stream, the copy waited for all of it first."""
     from services.runtime.transport import Transport
 
-    shm, inline = Transport(CFG, "busyhost", "local"), Transport(CFG, "busyinline", "")
+    shm, inline = Transport(CFG, "busyhost"), Transport(dataclasses.replace(CFG, shm=False), "busyinline")
     try:
         placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
-        x = tensor(3 * len(DTYPES), "cpu")  # float32 (256, 2048): 2 MB
+        x = tensor(3 * len(DTYPES), "cpu")  # float32 (256, 2048): 2 MB, past what goes inline for being small
         for t, where in ((shm, "shm"), (inline, "inline_data")):
             t.get(t.put(x, placement), "cuda:0")  # pinned memory allocated once, before the stream is kept busy
             ref = t.put(x, placement)
@@ -260,25 +248,10 @@ def test_host_refs_read_to_a_busy_gpu_wait_for_their_own_copy():
         inline.close()
 
 
-@pytest.mark.parametrize("lanes", [1, 4])
-def test_a_read_from_another_gpu_in_lanes_is_bit_exact(lanes):
-    """cuda_ipc.read from a pool on GPU0 into GPU1 (the same GPU when there is one), whole or in parallel parts:
-    odd offsets and sizes around the lane threshold, every byte where it belongs."""
-    from services.runtime.cuda_ipc import LANE_MIN_BYTES, read
-
-    pool = torch.randint(0, 256, ((LANE_MIN_BYTES * 5) // 2 + 4096,), dtype=torch.uint8,
-                         generator=torch.Generator().manual_seed(0)).to("cuda:0")
-    for offset, nbytes, dtype in ((0, LANE_MIN_BYTES, torch.bfloat16), (2, LANE_MIN_BYTES * 2 + 6, torch.int16),
-                                  (4096, LANE_MIN_BYTES - 8, torch.float32), (8, 1000, torch.int64)):
-        got = read(pool, offset, nbytes, dtype, (nbytes // dtype.itemsize,), devices()[1], lanes)
-        assert got.device == torch.device(devices()[1])
-        assert torch.equal(got.view(torch.uint8).cpu(), pool[offset:offset + nbytes].cpu()), (offset, nbytes, lanes)
-
-
 def _put_stacks(refs_out) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(CFG, "stackprod", "local")
+    t = Transport(CFG, "stackprod")
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     x = torch.stack([tensor(3, "cuda:0")] * 4)  # non-contiguous parts below: every other row
     refs_out.send([t.put([x[0], x[1] * 2], placement).SerializeToString(), t.put([x[::2], x[1::2]], placement).SerializeToString()])
@@ -308,7 +281,7 @@ def test_tensors_put_together_cross_gpus_as_their_stack():
 
     with refs_from(_put_stacks) as refs:
         first, second = (tensor_pb2.TensorRef.FromString(r) for r in refs)
-        t = Transport(CFG, "stackcons", "local")
+        t = Transport(CFG, "stackcons")
         x = torch.stack([tensor(3, "cpu")] * 4)
         for ref, want in ((first, torch.stack([x[0], x[1] * 2])), (second, torch.stack([x[::2], x[1::2]]))):
             assert ref.WhichOneof("location") == "cuda"
@@ -328,41 +301,3 @@ def test_a_mark_on_the_second_gpu_waits_for_its_work_whatever_the_threads_gpu():
     assert not reached(m)
     wait_for(m)
     assert reached(m)
-
-
-PULL_SIZES = [(8 << 10) + 6, 1 << 20, (20 << 20) + 6]  # bytes: one state row and a bit, an embedding, a lane-split read
-
-
-def _pull_data(nbytes: int, device) -> torch.Tensor:
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)).to(device)
-
-
-def _put_for_pull(refs_out) -> None:
-    from services.runtime.transport import Transport
-
-    t = Transport(CFG, "pullprod", "local")
-    placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
-    refs_out.send([[t.put(_pull_data(n, "cuda:0").view(torch.int16), placement).SerializeToString() for n in PULL_SIZES]
-                   for _ in range(2)])
-    refs_out.recv()  # the consumer has read them
-    t.close()
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("lanes", [1, 4])
-def test_gpu1_pulls_gpu0s_pool_bit_exact(lanes):
-    """transport.cross_gpu_read: pull: GPU1 maps GPU0's pool into its own context and copies with its own copy
-    engines (in lanes for a large read): every byte where it belongs, the tensor on GPU1, the slot released."""
-    from services.runtime.transport import Transport
-
-    with refs_from(_put_for_pull) as rounds:
-        t = Transport(dataclasses.replace(CFG, cross_gpu_read="pull", read_lanes=lanes), "pullcons", "local")
-        for refs in rounds:  # twice: the second round reads through the mapping the first one made
-            for n, data in zip(PULL_SIZES, refs):
-                ref = tensor_pb2.TensorRef.FromString(data)
-                got = t.get(ref, "cuda:1")
-                want = _pull_data(n, "cpu")
-                assert got.device == torch.device("cuda:1")
-                assert got.dtype == torch.int16 and torch.equal(got.cpu().view(torch.uint8), want), (n, lanes)
-                assert int(t._view(ref.cuda.pool).entry(ref.cuda.slot)["released"]) == ref.cuda.generation
-        assert list(t._peers) == [(ref.cuda.pool, 1)] and not t._mapped  # no context of this process on GPU0's pool

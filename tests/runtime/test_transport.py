@@ -9,6 +9,7 @@ import torch
 from omni.stage.v1 import tensor_pb2
 from services.runtime import metrics
 from services.runtime.config import TransportConfig
+from services.runtime import transport
 from services.runtime.transport import Transport
 
 HERE = tensor_pb2.Placement(shm_domain="local")
@@ -23,9 +24,16 @@ def make(dtype, shape, seed=0):
 
 
 @pytest.fixture
-def pair():
-    cfg = TransportConfig(pool_bytes=1 << 20, max_slots=64, reclaim_after_s=1.0, inline_bytes=0)  # shm for every size
-    producer, consumer = Transport(cfg, "testprod", "local"), Transport(cfg, "testcons", "local")
+def no_inline(monkeypatch):
+    """Every size through shared memory: nothing inline for being small."""
+    monkeypatch.setattr(transport, "INLINE_BYTES", 0)
+
+
+@pytest.fixture
+def pair(no_inline, monkeypatch):
+    monkeypatch.setattr(transport, "MAX_SLOTS", 64)
+    cfg = TransportConfig(pool_bytes=1 << 20, reclaim_after_s=1.0)
+    producer, consumer = Transport(cfg, "testprod"), Transport(cfg, "testcons")
     yield producer, consumer
     producer.close()
 
@@ -78,15 +86,15 @@ def _die_holding(ref_bytes: bytes, ready) -> None:
     from services.runtime.transport import Transport as T
 
     ref = tensor_pb2.TensorRef.FromString(ref_bytes)
-    view = T(C(), "dying", "local")._view(ref.shm.pool)  # maps the pool, never reads or releases the slot
+    view = T(C(), "dying")._view(ref.shm.pool)  # maps the pool, never reads or releases the slot
     assert view is not None
     ready.set()
     time.sleep(60)
 
 
-def test_a_killed_consumer_leaves_no_slot_held():
+def test_a_killed_consumer_leaves_no_slot_held(no_inline):
     reclaim = 8.0
-    producer = Transport(TransportConfig(pool_bytes=1 << 20, reclaim_after_s=reclaim, inline_bytes=0), "killtest", "local")
+    producer = Transport(TransportConfig(pool_bytes=1 << 20, reclaim_after_s=reclaim), "killtest")
     t0 = time.monotonic()
     ref = producer.put(make(torch.float32, (1000,)), HERE)
     ctx = mp.get_context("spawn")
@@ -102,9 +110,10 @@ def test_a_killed_consumer_leaves_no_slot_held():
     producer.close()
 
 
-def test_a_full_pool_falls_back_to_inline_without_corruption():
-    cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60, inline_bytes=0)
-    producer, consumer = Transport(cfg, "small", "local"), Transport(cfg, "smallc", "local")
+def test_a_full_pool_falls_back_to_inline_without_corruption(no_inline, monkeypatch):
+    monkeypatch.setattr(transport, "MAX_SLOTS", 4)
+    cfg = TransportConfig(pool_bytes=4096, reclaim_after_s=60)
+    producer, consumer = Transport(cfg, "small"), Transport(cfg, "smallc")
     try:
         before = metrics.SHM_FALLBACKS.labels("shm")._value.get()
         tensors = [make(torch.float32, (300,), i) for i in range(8)]  # 1200 bytes each: 3 fit, then the slots run out
@@ -120,27 +129,25 @@ def test_a_full_pool_falls_back_to_inline_without_corruption():
         producer.close()
 
 
-def test_shm_off_or_unknown_domain_goes_inline():
-    off = Transport(TransportConfig(shm=False), "off", "local")
+def test_shm_off_or_unknown_domain_goes_inline(no_inline):
+    off = Transport(TransportConfig(shm=False), "off")
     assert off.put(torch.ones(3), HERE).WhichOneof("location") == "inline_data"
-    on = Transport(TransportConfig(inline_bytes=0), "on", "local")
+    on = Transport(TransportConfig(), "on")
     assert on.put(torch.ones(3), tensor_pb2.Placement()).WhichOneof("location") == "inline_data"
 
 
 def test_small_host_tensors_go_inside_the_message():
-    """Host tensors of at most transport.inline_bytes go inline even where shared memory reaches (a speech
-    request's states for one token by default: [2, 1, 2048] bf16, 8 KB); larger ones take a slot."""
-    producer = Transport(TransportConfig(inline_bytes=1024), "small-in", "local")
-    consumer = Transport(TransportConfig(), "small-c", "local")
+    """Host tensors of at most INLINE_BYTES go inline even where shared memory reaches (a speech request's states
+    for one token: [2, 1, 2048] bf16, 8 KB); larger ones take a slot."""
+    producer, consumer = Transport(TransportConfig(), "small-in"), Transport(TransportConfig(), "small-c")
     try:
-        small, large = make(torch.float32, (256,), 1), make(torch.float32, (257,), 2)
+        n = transport.INLINE_BYTES // 4
+        small, large = make(torch.float32, (n,), 1), make(torch.float32, (n + 1,), 2)
         refs = [producer.put(small, HERE), producer.put(large, HERE)]
         assert [r.WhichOneof("location") for r in refs] == ["inline_data", "shm"]
         assert torch.equal(consumer.get(refs[0]), small) and torch.equal(consumer.get(refs[1]), large)
         state = [make(torch.bfloat16, (1, 2048), 3), make(torch.bfloat16, (1, 2048), 4)]
-        default = Transport(TransportConfig(), "small-d", "local")
-        assert default.put(state, HERE).WhichOneof("location") == "inline_data"
-        default.close()
+        assert producer.put(state, HERE).WhichOneof("location") == "inline_data"
     finally:
         producer.close()
 
@@ -167,29 +174,12 @@ def test_many_transfers_between_processes_leave_the_pool_empty():
     assert [r[2] for r in results if r[0] == "producer"] == [0, 0]
 
 
-def test_reads_from_another_gpu_split_into_aligned_lanes():
-    """transport.read_lanes: a large read's byte ranges cover it once, in order, inner bounds aligned; small
-    reads and one lane stay whole."""
-    from services.runtime.cuda_ipc import LANE_ALIGN, LANE_MIN_BYTES, lane_bounds
-
-    assert lane_bounds(LANE_MIN_BYTES - 2, 4) == [(0, LANE_MIN_BYTES - 2)]
-    assert lane_bounds(64 << 20, 1) == [(0, 64 << 20)]
-    mb = 1 << 20
-    assert lane_bounds(64 * mb, 4) == [(0, 16 * mb), (16 * mb, 32 * mb), (32 * mb, 48 * mb), (48 * mb, 64 * mb)]
-    step = 54 * LANE_ALIGN  # a third of 10 MB, rounded up to 64 KB
-    assert lane_bounds(10 * mb + 6, 3) == [(0, step), (step, 2 * step), (2 * step, 10 * mb + 6)]
-    for nbytes, lanes in ((64 << 20, 4), ((24 << 20) + 6, 4), (LANE_MIN_BYTES, 3), ((100 << 20) + 2, 7)):
-        parts = lane_bounds(nbytes, lanes)
-        assert 1 < len(parts) <= lanes and parts[0][0] == 0 and parts[-1][1] == nbytes
-        assert all(a < b for a, b in parts) and all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))
-        assert all(b % LANE_ALIGN == 0 for _, b in parts[:-1])
-
-
-def test_a_put_that_finds_no_room_frees_what_consumers_released_first():
+def test_a_put_that_finds_no_room_frees_what_consumers_released_first(no_inline, monkeypatch):
     """Puts sweep their pool at most every SWEEP_EVERY_S; one that finds no room sweeps at once, so a slot a
     consumer just released serves it, and the gauges follow the pool."""
-    cfg = TransportConfig(pool_bytes=4096, max_slots=4, reclaim_after_s=60, inline_bytes=0)
-    producer, consumer = Transport(cfg, "roomy", "local"), Transport(cfg, "roomyc", "local")
+    monkeypatch.setattr(transport, "MAX_SLOTS", 4)
+    cfg = TransportConfig(pool_bytes=4096, reclaim_after_s=60)
+    producer, consumer = Transport(cfg, "roomy"), Transport(cfg, "roomyc")
     try:
         tensors = [make(torch.float32, (300,), i) for i in range(4)]
         refs = [producer.put(t, HERE) for t in tensors[:3]]  # 1200 bytes each: the pool holds three
@@ -217,16 +207,3 @@ def test_tensors_put_together_come_back_as_their_stack(pair, placement):
     for bad in ([a, b[:2]], [a, b.float()], []):
         with pytest.raises(ValueError, match="same shape, dtype and device"):
             producer.put(bad, placement)
-
-
-def test_the_cuda_handle_inside_pytorchs_storage_handle():
-    """A pull read maps the pool through the CUDA runtime, which takes the bare cudaIpcMemHandle_t: PyTorch's
-    handle wraps it in a version byte (2 up to PyTorch 2.12, 3 in 2.13) and a kind byte ('c': cudaMalloc)."""
-    from services.runtime.cuda_ipc import ipc_handle_bytes
-
-    raw = bytes(range(64))
-    assert ipc_handle_bytes(bytes([2]) + b"c" + raw) == raw
-    assert ipc_handle_bytes(bytes([3]) + b"c" + raw) == raw
-    assert ipc_handle_bytes(raw) == raw
-    with pytest.raises(ValueError, match="kind b'e'"):  # an expandable segment's: another layout
-        ipc_handle_bytes(bytes([2]) + b"e" + bytes(80))

@@ -1,4 +1,4 @@
-"""code2wav's native decoder (services/talker/code2wav.py, talker.code2wav_native) against transformers'
+"""code2wav's native decoder (services/talker/code2wav.py) against transformers'
 Qwen3OmniMoeCode2Wav on the tiny model: on the CPU through snake_rows' torch path, and its Triton kernel in
 Triton's CPU interpreter (a child process: the interpreter is chosen when the kernel is defined)."""
 
@@ -166,16 +166,13 @@ def test_snake_rows_kernel_in_the_interpreter(tiny_model):
         assert r["z"] < 1e-5 and r["y"] < 1e-5 and r["pad"], (name, r)
 
 
-def test_the_config_reaches_the_talkers(tiny_model, tmp_path):
-    """talker.code2wav_native reaches either engine (its code2wav the native decoder over transformers' module),
-    and talker.frames_first the native one (no stream to put first on a CPU)."""
-    from conftest import write_config
-    from services.runtime.config import load_config
-    from services.talker.server import make_engine
+def test_the_native_talker_decodes_with_the_native_code2wav_and_the_reference_one_with_transformers(tiny_model):
+    """Each engine's code2wav: the native talker's our decoder over transformers' module, the reference talker's
+    transformers' own, both 1920 samples a frame."""
+    from references import model_config, native_talker
+    from services.runtime.config import TalkerConfig
+    from services.talker.reference import ReferenceTalker
 
-    path = write_config(tmp_path / "mesh.yaml", tiny_model)
-    for engine in ("reference", "native"):
-        cfg = load_config(path, [f"talker.engine={engine}", "talker.code2wav_native=true", "talker.frames_first=true"])
-        talker = make_engine(cfg, "cpu")
-        assert isinstance(talker.code2wav, NativeCode2Wav) and talker.samples_per_frame == 1920
-    assert cfg.talker.native_args["frames_first"] is True and talker.frame_stream is None
+    native, reference = native_talker(tiny_model), ReferenceTalker(model_config(tiny_model), TalkerConfig())
+    assert isinstance(native.code2wav, NativeCode2Wav) and not isinstance(reference.code2wav, NativeCode2Wav)
+    assert native.samples_per_frame == reference.samples_per_frame == 1920

@@ -10,12 +10,18 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+def native(model_dir, **overrides):
+    """The native talker on cuda:0 over seeded random weights, as served but for `overrides` of its config."""
+    from services.runtime.config import ModelConfig, TalkerConfig
+
+    return NativeTalker(ModelConfig(path=str(model_dir), load_format="random"), TalkerConfig(**overrides), "cuda:0")
+
+
 def test_captured_predictor_frame_equals_the_eager_one(tmp_path):
     from services.model.build import build_full_skeleton
-    from services.talker.engine import NativeTalker
 
-    engine = NativeTalker(build_full_skeleton(tmp_path / "model"), "cuda:0", torch.bfloat16, "random", 0, kv_blocks=256,
-                          max_seqs=16, moe="grouped", cuda_graph_max_batch=8)
+    engine = native(build_full_skeleton(tmp_path / "model"), kv_blocks=256, max_seqs=16, moe="grouped",
+                    cuda_graph_max_batch=8, step_graphs=0)
     assert engine.predictor.graphs is not None and engine.predictor.graphs.size_for(3) == 4
     vocab = engine.talker.get_input_embeddings().num_embeddings
 
@@ -38,7 +44,7 @@ def test_captured_predictor_frame_equals_the_eager_one(tmp_path):
 
 def speech_requests(engine, model_dir, frames: int = 40, seed: int = 1) -> list:
     """Three speech requests of different prompt lengths, every thinker state in their inboxes, text ended."""
-    from services.llm.mrope import Layout
+    from services.model.positions import Layout
     from services.llm.sampling import SamplingParams
     from services.talker.seq import TalkerSeq
     from transformers import AutoTokenizer
@@ -79,11 +85,9 @@ def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
     this can catch is a graph reading another row's input or a stale buffer; a position off by one moves a row of
     this random model by as little (measured 1-8%), which the CPU tests against transformers cover instead."""
     from services.model.build import build_full_skeleton
-    from services.talker.engine import NativeTalker
 
     model_dir = build_full_skeleton(tmp_path / "model")
-    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
-                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8)
+    engine = native(model_dir, kv_blocks=512, max_seqs=16, cuda_graph_max_batch=8, step_graphs=0)
     assert engine.decode is not None
     seqs = speech_requests(engine, model_dir)
     with torch.no_grad():
@@ -101,22 +105,20 @@ def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
 
     print(f"talker decode step, relative L2 per row, graph against eager: {rel(graph, eager)}")
     assert max(rel(graph, eager)) < 0.12, f"graph against eager: {rel(graph, eager)}"
-    assert engine.decode.graphs.replays >= 1
+    assert engine.decode.replays >= 1
     ref_logits = engine.talker.codec_head(eager.to(torch.bfloat16)).float()
     agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
     assert agree >= 2 / 3, f"codec argmax agrees on {agree:.0%} of rows"
 
 
 def test_prompt_steps_replayed_in_pieces_track_eager_ones(tmp_path):
-    """talker.step_graphs: three requests' prompt rows in one step (padded to the ladder's next count: grouped
+    """Three requests' prompt rows in one step (padded to the ladder's next count: grouped
     experts) replayed from the pieces' graphs against the same step run eagerly, row by row; then speech to
     the end with the pieces serving every prompt and mixed step."""
     from services.model.build import build_full_skeleton
-    from services.talker.engine import NativeTalker
 
     model_dir = build_full_skeleton(tmp_path / "model")
-    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512, max_seqs=16, moe="triton",
-                          attention="flashinfer", cuda_graph_max_batch=8, step_graphs=512)
+    engine = native(model_dir, kv_blocks=512, max_seqs=16, cuda_graph_max_batch=8, step_graphs=512)
     assert engine.pieces is not None and engine.pieces.graphs
     pieces, engine.pieces = engine.pieces, None
     seqs = speech_requests(engine, model_dir)
@@ -131,7 +133,7 @@ def test_prompt_steps_replayed_in_pieces_track_eager_ones(tmp_path):
         eager = engine._rows(work).float()
         engine.pieces = pieces
         replayed = engine._rows(work).float()
-    assert pieces.replays == 2 * len(engine.talker.model.layers)
+    assert pieces.graphs.replays == 2 * len(engine.talker.model.layers)
     rel = ((replayed - eager).norm(dim=-1) / eager.norm(dim=-1))
     print(f"talker prompt rows ({len(eager)}), pieces against eager, relative L2: max {rel.max().item():.4f}, "
           f"median {rel.median().item():.4f}")
@@ -147,14 +149,11 @@ def test_prompt_steps_replayed_in_pieces_track_eager_ones(tmp_path):
 
 def test_audio_from_the_side_stream_equals_audio_waited_for(tmp_path):
     """code2wav on its own stream, read back once done, hands out the same chunks, in order, as code2wav run
-    in the frame loop and waited for, and so does the frame loop on a high-priority stream of its own
-    (talker.frames_first); every chunk of a request is out by its last step."""
+    in the frame loop and waited for; every chunk of a request is out by its last step."""
     from services.model.build import build_full_skeleton
-    from services.talker.engine import NativeTalker
 
     model_dir = build_full_skeleton(tmp_path / "model")
-    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
-                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8)
+    engine = native(model_dir, kv_blocks=512, max_seqs=16, cuda_graph_max_batch=8, step_graphs=0)
     assert engine.vocode_stream is not None
 
     def speak():
@@ -173,16 +172,13 @@ def test_audio_from_the_side_stream_equals_audio_waited_for(tmp_path):
         return [s.frames for s in seqs], {k: [(c.first_frame, c.pcm) for c in v] for k, v in chunks.items()}
 
     frames, side = speak()
-    engine.frame_stream = torch.cuda.Stream(engine.device, priority=-1)  # talker.frames_first, as the engine makes it
-    frames_first, first = speak()
-    engine.frame_stream, engine.vocode_stream = None, None
+    engine.vocode_stream = None
     frames_waited, waited = speak()
-    assert frames == frames_waited == frames_first
+    assert frames == frames_waited
     for name in waited:
-        for got in (side, first):
-            assert [f for f, _ in got[name]] == [f for f, _ in waited[name]], name
-            for (_, a), (_, b) in zip(got[name], waited[name]):
-                assert np.array_equal(a, b), name
+        assert [f for f, _ in side[name]] == [f for f, _ in waited[name]], name
+        for (_, a), (_, b) in zip(side[name], waited[name]):
+            assert np.array_equal(a, b), name
 
 
 def test_overlapped_frame_steps_give_the_codes_of_plain_ones(tmp_path):
@@ -190,11 +186,9 @@ def test_overlapped_frame_steps_give_the_codes_of_plain_ones(tmp_path):
     graph before the next replay overwrites them) give the codes plain steps give: three greedy requests, the
     same rows in every step either way, so the same kernels on the same inputs."""
     from services.model.build import build_full_skeleton
-    from services.talker.engine import NativeTalker
 
     model_dir = build_full_skeleton(tmp_path / "model")
-    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
-                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8)
+    engine = native(model_dir, kv_blocks=512, max_seqs=16, cuda_graph_max_batch=8, step_graphs=0)
 
     def codes(overlap: bool) -> list:
         engine.overlap = overlap
@@ -207,17 +201,14 @@ def test_overlapped_frame_steps_give_the_codes_of_plain_ones(tmp_path):
 
 
 def test_overlapped_frame_steps_never_wait_on_a_blocking_copy(tmp_path):
-    """talker.overlap: once frames flow, a frame step (talker, predictor, code2wav's chunks) waits on the device only
+    """Overlapped steps: once frames flow, a frame step (talker, predictor, code2wav's chunks) waits on the device only
     for the event after the step it reads; torch's sync debug mode raises on any other wait (a copy from pageable
     memory, a value read from the device, a stream synchronised), each of which would start the next step only
-    once the device is idle. A Python `True` assigned through the drawn codes as an index was one (1.8 ms a step
-    at 32 requests in bench/results/profile-1xh200-talker-b32-f29cb53.txt)."""
+    once the device is idle. A Python `True` assigned through the drawn codes as an index was one."""
     from services.model.build import build_full_skeleton
-    from services.talker.engine import NativeTalker
 
     model_dir = build_full_skeleton(tmp_path / "model")
-    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
-                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8)
+    engine = native(model_dir, kv_blocks=512, max_seqs=16, cuda_graph_max_batch=8, step_graphs=0)
     engine.overlap = True
     seqs = speech_requests(engine, model_dir)
     while min(len(s.frames) for s in seqs) < 4:  # prompts, first frames, first chunks of audio
@@ -233,20 +224,20 @@ def test_overlapped_frame_steps_never_wait_on_a_blocking_copy(tmp_path):
 
 
 def test_first_codes_drawn_in_the_captured_step_equal_the_samplers(tmp_path):
-    """talker.graph_sampling: frame steps replayed from their graphs draw the first codes there (repetition
-    penalty over codes drawn, suppressed codes, seeded top-k); three sampled requests get the frames the
-    sampler after the graph gives them, frame for frame, plain and overlapped."""
+    """Frame steps replayed from their graphs draw the first codes there (repetition penalty over codes drawn,
+    suppressed codes, seeded top-k); three sampled requests get the frames the sampler after the graph gives them
+    (every row refused the graph's draw: _first_drawable patched), frame for frame, plain and overlapped."""
     from dataclasses import replace
 
     from services.model.build import build_full_skeleton
-    from services.talker.engine import NativeTalker
 
     model_dir = build_full_skeleton(tmp_path / "model")
-    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=512,
-                          max_seqs=16, moe="triton", attention="flashinfer", cuda_graph_max_batch=8, graph_sampling=True)
+    engine = native(model_dir, kv_blocks=512, max_seqs=16, cuda_graph_max_batch=8, step_graphs=0)
+    drawable = engine._first_drawable
 
     def codes(graph_sampling: bool, overlap: bool) -> list:
-        engine.graph_sampling, engine.overlap = graph_sampling, overlap
+        engine.overlap = overlap
+        engine._first_drawable = drawable if graph_sampling else (lambda seqs: False)
         seqs = speech_requests(engine, model_dir)
         for i, s in enumerate(seqs):
             s.params = replace(s.params, temperature=0.9, top_k=50, top_p=0.95, seed=i + 1, repetition_penalty=1.05)
@@ -259,7 +250,7 @@ def test_first_codes_drawn_in_the_captured_step_equal_the_samplers(tmp_path):
 
 
 def test_states_from_host_memory_reach_the_talkers_gpu():
-    """thinker.host_states: a token's states arrive inside the message (inline bytes, read to the host); the
+    """A token's states arrive inside the message (inline bytes, read to the host); the
     talker's engine thread uploads them through pinned memory to its GPU, in its dtype, without waiting for the
     work it has queued (a second of it here), and the values arrive whole."""
     from types import SimpleNamespace
@@ -271,9 +262,9 @@ def test_states_from_host_memory_reach_the_talkers_gpu():
 
     here = tensor_pb2.Placement(shm_domain="local", cuda=True)
     states = torch.randn(2, 1, 2048).to(torch.bfloat16)
-    ref = Transport(TransportConfig(), "hostprod", "local").put([states[0], states[1]], here)
+    ref = Transport(TransportConfig(), "hostprod").put([states[0], states[1]], here)
     assert ref.WhichOneof("location") == "inline_data"
-    both = Transport(TransportConfig(), "hostcons", "local").get(ref, "cpu")
+    both = Transport(TransportConfig(), "hostcons").get(ref, "cpu")
     engine = SimpleNamespace(device=torch.device("cuda:0"), dtype=torch.bfloat16)
     torch.cuda._sleep(2_000_000_000)  # about a second of queued work on the engine's stream
     t0 = time.perf_counter()
@@ -285,31 +276,18 @@ def test_states_from_host_memory_reach_the_talkers_gpu():
 
 
 def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):
-    """Chunks of each captured shape (first, second, steady), three requests padded to the graph of 4: the
-    waveforms equal code2wav run eagerly on the three rows alone (bf16, full size, same kernels but for the batch).
-    Then with the native decoder (talker.code2wav_native), each graph started where its shape's context lets it:
-    the samples after the context as the native decoder gives them run eagerly from the chunk's start, also for a
-    request's last chunk of a captured length with more context than the plan's (its graph starts earlier than
-    that chunk needs)."""
+    """The native decoder's chunks replayed from graphs (three requests padded to the graph of 4), each graph
+    started where its shape's context lets it: the samples after the context as the native decoder gives them run
+    eagerly from the chunk's start, also for a request's last chunk of a captured length with more context than the
+    plan's (its graph starts earlier than that chunk needs), and for last chunks of lengths no graph has."""
     from services.model.build import build_full_skeleton
     from services.talker.code2wav import NativeCode2Wav
-    from services.talker.engine import NativeTalker
 
-    engine = NativeTalker(build_full_skeleton(tmp_path / "model"), "cuda:0", torch.bfloat16, "random", 0, kv_blocks=256,
-                          max_seqs=16, moe="grouped", cuda_graph_max_batch=8)
+    engine = native(build_full_skeleton(tmp_path / "model"), kv_blocks=256, max_seqs=16, moe="grouped",
+                    cuda_graph_max_batch=8, chunks=[5, 25], step_graphs=0)
+    assert isinstance(engine.code2wav, NativeCode2Wav)
     assert sorted(engine.c2w_graphs) == engine.chunk_shapes() == [5, 30, 50]
     gen = torch.Generator().manual_seed(0)
-    for frames in engine.chunk_shapes():
-        codes = torch.randint(0, 2048, (3, frames, engine.groups), generator=gen).tolist()
-        with torch.no_grad():
-            eager = engine.code2wav(torch.tensor(codes, device="cuda:0").transpose(1, 2)).float()
-            replayed = engine._code2wav(codes).float()
-        assert replayed.shape == eager.shape and eager.shape[:2] == (3, 1)
-        err = ((replayed - eager).norm() / eager.norm()).item()
-        print(f"code2wav {frames} frames, graph (batch 4) against eager (batch 3): relative L2 {err:.2e}")
-        assert err < 1e-2
-    engine.code2wav = NativeCode2Wav(engine.code2wav)
-    engine.capture_code2wav(8)
     # contexts 0, 5 and 25 frames, their decodes kept from the chunk before's last 555 samples (engine._skip)
     assert [engine.c2w_graphs[f][2] for f in (5, 30, 50)] == [0, 0, 80]
     # (30, 25): 5 new frames after 25 of context; (3, 0) and (33, 25): a request's last chunks, of lengths no graph
@@ -326,12 +304,12 @@ def test_code2wav_replayed_from_graphs_equals_it_run_eagerly(tmp_path):
 
 
 def test_native_code2wav_at_full_size_as_close_to_float32_as_transformers_bf16(tmp_path):
-    """talker.code2wav_native on the GPU (cuDNN's channels-last convolutions, the dilated ones folded, cuBLAS's
+    """The native code2wav on the GPU (cuDNN's channels-last convolutions, the dilated ones folded, cuBLAS's
     pointwise ones, the Triton pass between them), full size in bf16, chunks of the streaming shapes for 4
     requests: its waveforms at least as close to transformers' float32 as transformers' own bf16 (within 1 dB),
     and replayed from a CUDA graph as run eagerly; started where a chunk's samples after 25 frames of context need
     it, those samples as close."""
-    from services.llm.graphs import CapturedGraphs
+    from services.llm.graphs import Ladder
     from services.model.build import build_full_skeleton
     from services.model.load import load_component
     from services.talker.code2wav import NativeCode2Wav
@@ -346,7 +324,7 @@ def test_native_code2wav_at_full_size_as_close_to_float32_as_transformers_bf16(t
         codes = torch.randint(0, 2048, (4, 16, frames), generator=gen).to("cuda:0")
         with torch.no_grad():
             ref, theirs, ours = f32(codes), bf16(codes).float(), native(codes).float()
-            graph = CapturedGraphs([4], lambda b: native(codes[:b]), torch.device("cuda:0"))
+            graph = Ladder([4], lambda b: native(codes[:b]), torch.device("cuda:0"))
             replayed = graph.replay(4).float()
         print(f"code2wav {frames} frames: SNR against float32, transformers bf16 {snr(theirs, ref):.1f} dB, "
               f"native {snr(ours, ref):.1f} dB; graph against eager {snr(replayed, ours):.1f} dB")
@@ -378,7 +356,7 @@ def test_compiled_predictor_sampling_draws_what_eager_draws():
     counters = torch.arange(b, device="cuda") * 15
     eager = sample_tensors(logits, temps, top_k, top_p, seeds, counters, 50)
     assert torch.equal(compiled(logits, temps, top_k, top_p, seeds, counters, 50), eager)
-    with torch.no_grad():  # as CapturedGraphs does: every size run (compiled) before any capture
+    with torch.no_grad():  # as graphs.Graphs does: every size run (compiled) before any capture
         compiled(logits[:8], temps[:8], top_k[:8], top_p[:8], seeds[:8], counters[:8], 50)
         compiled(logits, temps, top_k, top_p, seeds, counters, 50)
         graph = torch.cuda.CUDAGraph()
@@ -395,11 +373,9 @@ def test_talker_and_predictor_logits_match_transformers(tmp_path):
     transformers' own result moves when only its attention kernel changes (sdpa against eager)."""
     from references import hf_predictor_logits, hf_talker_logits, hf_talker_sharing, predictor_logits, talker_logits
     from services.model.build import build_full_skeleton
-    from services.talker.engine import NativeTalker
 
     model_dir = build_full_skeleton(tmp_path / "model")
-    engine = NativeTalker(model_dir, "cuda:0", torch.bfloat16, "random", 0, kv_blocks=256, max_seqs=16, moe="triton",
-                          attention="flashinfer")
+    engine = native(model_dir, kv_blocks=256, max_seqs=16, cuda_graph_max_batch=0, step_graphs=0)
     hf = hf_talker_sharing(model_dir, engine.talker, "cuda:0")
     g = torch.Generator().manual_seed(0)
     width = engine.predictor.hidden.shape[1]

@@ -5,51 +5,49 @@ of what the host puts in the buffers the graphs read wrong, the codes leave tran
 
 import pytest
 
-from stand_ins import EagerGraphs, stand_in_flashinfer
-from test_talker_engine import FRAMES, cases, speak  # noqa: F401 (fixture)
+from references import native_talker
+from stand_ins import eager_graphs, stand_in_flashinfer
+from test_talker_engine import CHUNKS, FRAMES, cases, speak  # noqa: F401 (fixture)
 
-from services.llm import graphs
 from services.llm.graphs import ladder
-from services.model.load import load_config
 from services.talker.decode import FrameGraphs
 from services.talker.engine import NativeTalker
 
 
-def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeTalker:
+def captured(tiny_model, monkeypatch, max_batch: int, direct: bool = True, **engine_args) -> NativeTalker:
     """A native talker on the CPU whose decode steps and predictor frames replay "graphs" up to `max_batch`."""
-    stand_in_flashinfer(monkeypatch)
-    monkeypatch.setattr(graphs, "CapturedGraphs", EagerGraphs)
-    engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, **engine_args)
-    sizes = ladder(max_batch)
-    engine.predictor.capture(sizes)
-    engine.workspace = None
-    engine.decode = FrameGraphs(engine, sizes, engine.scheduler.allocator.num_blocks,
-                                load_config(tiny_model).talker_config.text_config, engine.draws_captured)
-    engine.decode.graphs.attention = engine.decode.attention
+    stand_in_flashinfer(monkeypatch, direct)
+    eager_graphs(monkeypatch)
+    engine = native_talker(tiny_model, chunks=CHUNKS, **engine_args)
+    engine.predictor.capture(ladder(max_batch))
+    engine.decode = FrameGraphs(engine, max_batch)
+    engine.decode.graphs.graphs.attention = engine.decode.graphs.attention
     return engine
 
 
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("graph_sampling", [False, True])
-def test_captured_frame_steps_give_transformers_codes(tiny_model, cases, monkeypatch, direct, overlap, graph_sampling):
+def test_captured_frame_steps_give_transformers_codes(tiny_model, cases, monkeypatch, direct, overlap):
     """Four requests at once, every thinker state given: their frame steps in decode graphs of 4 rows (padded once
-    requests end; a step of the last one's requests advances its page table), first codes drawn inside the graph
-    or after it, the predictor's frames in its graphs."""
+    requests end; a step of the last one's requests advances its page table), first codes drawn inside the graph,
+    the predictor's frames in its graphs; planned directly (plans whose schedule would not change kept) or through
+    flashinfer's wrapper (another flashinfer)."""
     data, spec = cases
-    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct, block_size=4,
-                      graph_sampling=graph_sampling)
+    engine = captured(tiny_model, monkeypatch, 4, direct, overlap=overlap, block_size=4, step_graphs=0)
     seqs, _ = speak(engine, data, spec, list(data))
     for name, seq in seqs.items():
         assert seq.frames == data[name]["codes"] and seq.frames, name
-    assert engine.decode.graphs.replays >= FRAMES - 1 and engine.predictor.graphs.replays >= FRAMES
-    assert (engine.graph_draws > 0) == graph_sampling
-    assert sum(a.advanced for a in engine.decode.attention.values()) >= FRAMES // 2  # steady plans
-    wrappers = [a.wrapper for a in engine.decode.attention.values()]
-    # every replay's plan direct, and the capture's second (both staging buffers filled)
-    assert sum(w.direct_plans for w in wrappers) == (engine.decode.graphs.replays + len(wrappers) if direct else 0)
+    replays = engine.decode.replays
+    assert replays >= FRAMES - 1 and engine.predictor.graphs.replays >= FRAMES
+    assert engine.graph_draws > 0
+    attention = engine.decode.graphs.attention
+    assert sum(a.advanced for a in attention.values()) >= FRAMES // 2  # steady plans
+    wrappers = [a.wrapper for a in attention.values()]
+    skipped = sum(a.kept.kept for a in attention.values() if a.kept is not None)
+    # every replay's plan direct but those kept, and the capture's second (both staging buffers filled)
+    assert sum(w.direct_plans for w in wrappers) == (replays - skipped + len(wrappers) if direct else 0)
     if direct:
-        assert all(w.wrapper_plans == 1 for w in wrappers)
+        assert all(w.wrapper_plans == 1 for w in wrappers) and skipped > 0
     assert engine.scheduler.allocator.used == 0 and not engine.states
 
 
@@ -58,12 +56,11 @@ def test_captured_frame_steps_of_preempted_requests_give_transformers_codes(tiny
     frame steps, each resumed step's plan rebuilt; plans kept where flashinfer's would not change (the stand-in
     checks that the kept tiles cover every row)."""
     data, spec = cases
-    engine = captured(tiny_model, monkeypatch, 4, overlap=True, decode_direct_plan=True, graph_sampling=True,
-                      kv_blocks=20, block_size=4, max_batched_tokens=8, decode_keep_plans=True)
+    engine = captured(tiny_model, monkeypatch, 4, kv_blocks=20, block_size=4, max_batched_tokens=8, step_graphs=0)
     seqs, _ = speak(engine, data, spec, list(data))
     for name, seq in seqs.items():
         assert seq.frames == data[name]["codes"] and seq.frames, name
-    assert engine.scheduler.preemptions > 0 and engine.decode.graphs.replays >= FRAMES - 1
-    kept = [a.kept for a in engine.decode.attention.values()]
+    assert engine.scheduler.preemptions > 0 and engine.decode.replays >= FRAMES - 1
+    kept = [a.kept for a in engine.decode.graphs.attention.values()]
     assert all(k is not None for k in kept) and sum(k.kept for k in kept) >= FRAMES // 2
     assert engine.scheduler.allocator.used == 0 and not engine.states

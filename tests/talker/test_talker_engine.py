@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from references import Case, Reference, png, wav
-from services.llm.mrope import Layout
+from references import Case, Reference, native_talker, png, wav
+from services.model.positions import Layout
 from services.llm.sampling import SamplingParams
 from services.model.spec import audio_tokens
 from services.talker.engine import NativeTalker
@@ -20,29 +20,23 @@ CASES = {
     "mixed": Case([("system", [("text", "terse")]), ("user", [("image", png(3, 96, 64)), ("audio", wav(4)), ("text", "compare")])]),
 }
 ENGINES = {
-    "one step per prompt": {},
+    # as served: frame steps overlapped (each step's codes read after the next step is launched), prompts in pieces
+    # between attentions (graphs on a GPU, eager here), code2wav's decoder our own
+    "as served": {},
+    "whole forwards, plain steps": {"overlap": False, "step_graphs": 0},
     "chunked prefill": {"max_batched_tokens": 5},
-    "preemption": {"kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
+    "preemption": {"kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8, "overlap": False, "step_graphs": 0},
     "grouped experts": {"moe": "grouped"},
     "audio handed out late": {},  # as on a GPU's side stream: code2wav complete a few steps after its launch
-    "overlapped frame steps": {"overlap": True},  # each step's codes read after the next step is launched
-    "overlap and preemption": {"overlap": True, "kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
-    # the layers compiled (compile: true, inductor on the CPU here): the fused forms the GPU runs, same codes
-    "compiled overlapped frame steps": {"compile": True, "overlap": True},
-    # code2wav's activations compiled (talker.code2wav_fuse; inductor on the CPU here): the same waveforms
-    "code2wav's activations fused": {"code2wav_fuse": True},
-    # code2wav's decoder native (talker.code2wav_native): channels-last, started where each chunk's kept samples
-    # need it (later chunks' 25 frames of context mostly skipped), the same waveforms
-    "code2wav's decoder native": {"code2wav_native": True},
+    "overlap and preemption": {"kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8, "step_graphs": 0},
+    # the layers compiled (inductor on the CPU here: what fuse() does on a GPU), the same codes
+    "compiled": {"compile": True},
     # code2wav's chunks replayed from "graphs" of the plan's chunk lengths (on a GPU: capture_code2wav; their bodies
     # run eagerly here), a request's shorter last chunk padded to one of them: the same waveforms
     "code2wav from graphs": {},
-    "code2wav's native decoder from graphs": {"code2wav_native": True},
-    # steps between attentions in pieces (step_graphs: graphs on a GPU, the same pieces run eagerly here)
-    "step pieces": {"step_graphs": 2048},
-    "step pieces, overlap and preemption": {"step_graphs": 8, "overlap": True, "kv_blocks": 20, "block_size": 4,
-                                            "max_batched_tokens": 8},
+    "pieces, overlap and preemption": {"step_graphs": 8, "kv_blocks": 20, "block_size": 4, "max_batched_tokens": 8},
 }
+CHUNKS = [4, 8]
 TOKENS, FRAMES = 10, 14
 
 
@@ -102,21 +96,21 @@ def late(launch):
 @pytest.mark.parametrize("setup", list(ENGINES))
 def test_batched_speech_equals_transformers(tiny_model, cases, setup, request, monkeypatch):
     data, spec = cases
-    if ENGINES[setup].get("compile"):  # fuse() swaps the compiled functions in for the whole process: back after
-        from services.llm.layers import fuse
+    overrides = dict(ENGINES[setup])
+    if overrides.pop("compile", False):  # fuse() swaps the compiled functions in for the whole process: back after
+        from services.llm.fusion import fuse
 
+        fuse()
         request.addfinalizer(lambda: fuse(False))
-    engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, **ENGINES[setup])
+    engine = native_talker(tiny_model, chunks=CHUNKS, **overrides)
     # Nothing records autograd (captured steps would, and compiled layers would keep a variant for it).
     assert not any(p.requires_grad for m in (engine.talker, engine.code2wav) for p in m.parameters())
     if setup == "audio handed out late":
         engine._launch = late(engine._launch)
     if "from graphs" in setup:
-        from test_decode_host import EagerGraphs
+        from stand_ins import eager_graphs
 
-        from services.llm import graphs
-
-        monkeypatch.setattr(graphs, "CapturedGraphs", EagerGraphs)
+        eager_graphs(monkeypatch)
         engine.capture_code2wav(4)
         lengths, launch = [], engine._launch  # each launch's chunk length, context included
         engine._launch = lambda group: lengths.append(group[0][2] - group[0][1] + group[0][3]) or launch(group)
@@ -157,8 +151,8 @@ def test_batched_speech_equals_transformers(tiny_model, cases, setup, request, m
         assert frame == len(seq.frames) and sample == len(wave)
     if "preemption" in setup:
         assert engine.scheduler.preemptions > 0
-    assert (engine.overlapped > 0) == ("overlap" in setup)
-    if "pieces" in setup:  # every step: no decode graph on the CPU
+    assert (engine.overlapped > 0) == engine.overlap
+    if engine.pieces is not None:  # every step: no decode graph on the CPU
         assert engine.pieces.steps >= FRAMES
     if setup == "audio handed out late":  # chunks went out in steps after their launch's
         assert sum(e.polled_early for e in engine._launch.events) > 0 and not engine.vocoding
@@ -193,7 +187,7 @@ def test_a_request_ending_on_the_end_code(tiny_model, cases, overlap):
     their audio out by its last step, the others run to their length. Overlapped, the frame launched for it
     before the end code was read is dropped."""
     data, spec = cases
-    engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, overlap=overlap)
+    engine = native_talker(tiny_model, chunks=CHUNKS, overlap=overlap)
     draw = engine._sample_first
 
     def ends_at_five(seqs, logits):
@@ -225,7 +219,7 @@ def test_a_strong_repetition_penalty_counts_codes_not_yet_read(tiny_model, hf_mo
     _, expected, _ = ref.generate(CASES["text"], TOKENS, speech=True, frames=FRAMES, repetition_penalty=3.0)
     assert expected != data["text"]["codes"]
     for overlap in (False, True):
-        engine = NativeTalker(tiny_model, overlap=overlap)
+        engine = native_talker(tiny_model, overlap=overlap)
         d = data["text"]
         seq = TalkerSeq("text", d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=FRAMES, repetition_penalty=3.0), d["tts"])
         engine.add(seq)
@@ -242,7 +236,7 @@ def test_a_request_larger_than_the_cache_is_refused(tiny_model, cases):
 
     data, spec = cases
     d = data["text"]
-    engine = NativeTalker(tiny_model, kv_blocks=8, block_size=4)
+    engine = native_talker(tiny_model, kv_blocks=8, block_size=4)
     seq = TalkerSeq("big", d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=100), d["tts"])
     with pytest.raises(ResourceExhausted, match="more than the talker's KV cache holds"):
         engine.add(seq)
@@ -255,7 +249,7 @@ def test_seeded_speech_repeats_whatever_shares_its_steps(tiny_model, cases):
     d, other = data["text"], data["image"]
 
     def speak(seed: int, with_other: bool, overlap: bool = False) -> list:
-        engine = NativeTalker(tiny_model, overlap=overlap)
+        engine = native_talker(tiny_model, overlap=overlap)
         seqs = []
         for name, x, s in [("a", d, seed)] + ([("b", other, 99)] if with_other else []):
             seq = TalkerSeq(name, x["ids"], x["layout"], spec.voices["ethan"],
@@ -277,7 +271,7 @@ def test_seeded_speech_repeats_whatever_shares_its_steps(tiny_model, cases):
 
 def test_a_predictor_frame_does_not_depend_on_padding_rows(tiny_model):
     """What a captured frame relies on: rows past the real ones (greedy, zero inputs) change nothing of theirs."""
-    engine = NativeTalker(tiny_model, max_seqs=8)
+    engine = native_talker(tiny_model, max_seqs=8)
     vocab = engine.talker.get_input_embeddings().num_embeddings
 
     def frame(b: int):
@@ -303,7 +297,7 @@ def test_a_steps_inputs_are_its_queued_rows_in_the_works_order(tiny_model):
     from services.llm.scheduler import Work
     from services.talker.engine import TalkerState
 
-    engine = NativeTalker(tiny_model, max_seqs=8)
+    engine = native_talker(tiny_model, max_seqs=8)
     g = torch.Generator().manual_seed(0)
     d = engine.talker.config.text_config.hidden_size
 
@@ -346,7 +340,7 @@ def test_a_request_preempted_between_frames_draws_no_frame_twice(tiny_model, cas
     a second time: its codes stay transformers'."""
     data, spec = cases
     d = data["text"]
-    engine = NativeTalker(tiny_model, first_chunk_frames=4, chunk_frames=8, overlap=overlap)
+    engine = native_talker(tiny_model, chunks=CHUNKS, overlap=overlap)
     seq = TalkerSeq("text", d["ids"], d["layout"], spec.voices["ethan"], SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), d["tts"])
     engine.add(seq)
     n = len(d["ids"])
@@ -374,7 +368,7 @@ def test_talker_and_predictor_logits_equal_transformers_on_the_same_weights(tiny
     holding the very same tensors (float32): a 40-row prompt through our paged cache, and four frames' second codes."""
     from references import hf_predictor_logits, hf_talker_logits, hf_talker_sharing, predictor_logits, talker_logits
 
-    engine = NativeTalker(tiny_model, max_seqs=8)
+    engine = native_talker(tiny_model, max_seqs=8)
     hf = hf_talker_sharing(tiny_model, engine.talker, "cpu")
     g = torch.Generator().manual_seed(3)
     x = torch.randn(40, engine.predictor.hidden.shape[1], generator=g)
@@ -386,38 +380,22 @@ def test_talker_and_predictor_logits_equal_transformers_on_the_same_weights(tiny
                                rtol=1e-4, atol=1e-4)
 
 
-def test_code2wav_runs_in_the_precision_the_config_names(tiny_model, tmp_path):
-    """talker.code2wav_dtype: code2wav's weights in that dtype whatever the talker's, float32 waveforms out, close
-    to float32 code2wav's on the same codes."""
-    from conftest import write_config
-    from services.runtime.config import load_config
-    from services.talker.server import make_engine
-
-    cfg = load_config(write_config(tmp_path / "mesh.yaml", tiny_model), ["talker.engine=native", "talker.code2wav_dtype=bfloat16"])
-    engine = make_engine(cfg, "cpu")
-    assert next(engine.code2wav.parameters()).dtype == torch.bfloat16 and engine.dtype == torch.float32
-    fp32 = NativeTalker(tiny_model)
-    codes = torch.randint(0, 16, (2, 12, engine.groups), generator=torch.Generator().manual_seed(0)).tolist()
-    wav, ref = engine._code2wav(codes).float(), fp32._code2wav(codes).float()
-    assert wav.shape == ref.shape and 0 < ((wav - ref).norm() / ref.norm()).item() < 0.1
-
-
 def test_chunk_plans():
     """The streaming plan: the default's three shapes; a first chunk growing twice over up to the full size;
     every chunk's left context is all the frames before it, up to the context."""
     from services.talker.chunks import chunk_plan
 
-    assert chunk_plan(5, 25, 25) == [(5, 5), (30, 25), (50, 25)]
-    assert chunk_plan(2, 25, 25, 2.0) == [(2, 2), (6, 4), (14, 8), (30, 16), (50, 25)]
-    assert chunk_plan(4, 8, 25) == [(4, 4), (12, 8), (20, 8), (28, 8), (33, 8)]
-    assert chunk_plan(3, 10, 4, 1.5) == [(3, 3), (7, 4), (10, 6), (13, 9), (14, 10)]  # Python rounds 4.5 to 4
+    assert chunk_plan([5, 25], 25) == [(5, 5), (30, 25), (50, 25)]
+    assert chunk_plan([2, 4, 8, 16, 25], 25) == [(2, 2), (6, 4), (14, 8), (30, 16), (50, 25)]
+    assert chunk_plan([4, 8], 25) == [(4, 4), (12, 8), (20, 8), (28, 8), (33, 8)]
+    assert chunk_plan([3, 4, 6, 9, 10], 4) == [(3, 3), (7, 4), (10, 6), (13, 9), (14, 10)]
 
 
 def test_growing_chunks_equal_transformers(tiny_model, cases):
-    """chunk_growth 2 from a first chunk of 2: chunks of 2, 4, then 8 frames (a request's last: what is left),
-    each the reference decode's samples (every frame before it is its context)."""
+    """Chunks of 2, 4, then 8 frames (a request's last: what is left), each the reference decode's samples (every
+    frame before it is its context)."""
     data, spec = cases
-    engine = NativeTalker(tiny_model, first_chunk_frames=2, chunk_frames=8, chunk_growth=2.0)
+    engine = native_talker(tiny_model, chunks=[2, 4, 8])
     seqs, chunks = speak(engine, data, spec, list(data))
     for name, seq in seqs.items():
         assert seq.frames == data[name]["codes"], name
@@ -436,14 +414,14 @@ def test_growing_chunks_equal_transformers(tiny_model, cases):
 
 
 def test_first_codes_drawn_with_tensor_settings_equal_the_samplers(tiny_model):
-    """talker.graph_sampling: draw_first (what a captured frame step runs) gives every row `_sample_first`'s
+    """draw_first (what a captured frame step runs) gives every row `_sample_first`'s
     code: greedy and seeded top-k rows, with and without a repetition penalty over codes already drawn, the end
     code allowed or banned (ignore_eos), on bf16 logits with ties; the codes it marks seen are the ones drawn."""
     from types import SimpleNamespace
 
     from services.talker.decode import draw_first
 
-    engine = NativeTalker(tiny_model, max_seqs=8)
+    engine = native_talker(tiny_model, max_seqs=8)
     vocab = engine.talker.codec_head.out_features
     gen = torch.Generator().manual_seed(3)
     params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=50, top_p=0.8, seed=7),
@@ -474,23 +452,3 @@ def test_first_codes_drawn_with_tensor_settings_equal_the_samplers(tiny_model):
         marked = before.clone()
         marked[torch.arange(len(seqs)), drawn] = True
         assert torch.equal(engine.seen, marked)
-
-
-def test_fused_activations_keep_code2wavs_waveform(tiny_model):
-    """talker.code2wav_fuse: every SnakeBeta of code2wav runs the compiled kernel, and the waveform stays
-    transformers' (float32 here: the same arithmetic, rounded once)."""
-    from services.model.load import load_component
-    from services.talker import code2wav as fused
-
-    code2wav = load_component("code2wav", tiny_model).requires_grad_(False)
-    groups, vocab = code2wav.config.num_quantizers, code2wav.config.codebook_size
-    codes = torch.randint(0, vocab, (2, groups, 6), generator=torch.Generator().manual_seed(0))
-    fused._fused_snake.cache_clear()
-    with torch.no_grad():
-        want = code2wav(codes)
-        blocks = len(code2wav.config.upsample_rates)
-        assert fused.fuse_activations_(code2wav) == 7 * blocks + 1  # 1 + 3 residual units x 2 a block, 1 at the end
-        assert fused._fused_snake.cache_info().currsize == 0
-        got = code2wav(codes)
-    assert fused._fused_snake.cache_info().currsize == 1  # the compiled kernel ran
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

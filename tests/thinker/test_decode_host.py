@@ -15,25 +15,21 @@ import types
 import pytest
 import torch
 
-from references import thinker_seq
-from stand_ins import EagerGraphs, StandInWrapper, chunk_pages, stand_in_flashinfer
+from references import native_thinker, thinker_seq
+from stand_ins import StandInWrapper, chunk_pages, eager_graphs, stand_in_flashinfer
 from test_thinker_engine import CASES, N, expected, reference, run_staggered  # noqa: F401 (fixtures)
 
-from services.llm import graphs
-from services.model.load import load_config
-from services.thinker.decode import DecodeGraphs
+from services.thinker.decode import TokenGraphs
 from services.thinker.engine import NativeThinker
 
 
-def captured(tiny_model, monkeypatch, max_batch: int, **engine_args) -> NativeThinker:
+def captured(tiny_model, monkeypatch, max_batch: int, direct: bool = True, **engine_args) -> NativeThinker:
     """A native thinker on the CPU with decode "graphs" up to `max_batch` through the stand-ins."""
-    stand_in_flashinfer(monkeypatch)
-    monkeypatch.setattr(graphs, "CapturedGraphs", EagerGraphs)
-    engine = NativeThinker(tiny_model, **engine_args)
-    tc = load_config(tiny_model).thinker_config.text_config
-    engine.decode = DecodeGraphs(engine, max_batch, engine.scheduler.allocator.num_blocks, tc.head_dim ** -0.5,
-                                 tc.num_attention_heads, None, engine.decode_mapped_io)
-    engine.decode.graphs.attention = engine.decode.attention
+    stand_in_flashinfer(monkeypatch, direct)
+    eager_graphs(monkeypatch)
+    engine = native_thinker(tiny_model, **engine_args)
+    engine.decode = TokenGraphs(engine, max_batch)
+    engine.decode.graphs.graphs.attention = engine.decode.graphs.attention
     return engine
 
 
@@ -48,38 +44,38 @@ def run_together(engine, seqs: list) -> None:
 
 @pytest.mark.parametrize("arrivals", ["staggered", "together", "preempted"])
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("plan", ["wrapper", "direct", "kept", "kept-mapped"])
+@pytest.mark.parametrize("plan", ["wrapper", "as served"])
 def test_captured_decode_host_path_gives_transformers_greedy_tokens(tiny_model, reference, expected, monkeypatch,
                                                                      overlap, plan, arrivals):
     """Four requests arriving a step apart (their first steps mixed with others' prompts, eager; the rest in decode
     graphs of 1, 2 and 4 rows) or together, their KV pages 4 tokens long so the page tables grow every few steps
-    (rebuilt; between, a step of the same rows advances the last one's table and positions); planned directly,
-    every plan after the capture's skips the wrapper, and kept, a plan whose schedule would not change is not run
-    (the stand-in checks that its tiles still cover every row). Mapped: each graph loads its inputs from the
-    staging buffer of its turn, takes the pending step's tokens from the last graph's draws, and writes its own to
-    the host, where the overlapped steps read them."""
+    (rebuilt; between, a step of the same rows advances the last one's table and positions); planned directly (as
+    served: every plan after the capture's skips the wrapper, and a plan whose schedule would not change is not run:
+    the stand-in checks that its tiles still cover every row) or through the wrapper (another flashinfer). Each
+    graph loads its inputs from the staging buffer of its turn, takes the pending step's tokens from the last
+    graph's draws, and writes its own to the host, where the overlapped steps read them."""
     # preempted: a cache of 24 blocks, too few for all four, so some are preempted and recomputed, and graphs of
     # four run two or three rows over a cache nearly full (their padding rows' pages on top of every block)
     cache = {"kv_blocks": 24, "max_batched_tokens": 9} if arrivals == "preempted" else {}
     direct = plan != "wrapper"
-    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, decode_direct_plan=direct,
-                      decode_keep_plans=plan.startswith("kept"), decode_mapped_io=plan == "kept-mapped", block_size=4,
-                      **cache)
+    engine = captured(tiny_model, monkeypatch, 4, direct, overlap=overlap, block_size=4, step_graphs=0, **cache)
     seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
     (run_staggered if arrivals != "together" else run_together)(engine, seqs)
     for name, seq in zip(CASES, seqs):
         assert seq.generated == expected[name], name
-    wrappers = [a.wrapper for a in engine.decode.attention.values()]
-    assert engine.decode.graphs.replays > N // 2
-    assert sum(a.advanced for a in engine.decode.attention.values()) >= N // 2 - 2
+    attention = engine.decode.graphs.attention
+    wrappers = [a.wrapper for a in attention.values()]
+    replays = engine.decode.replays
+    assert replays > N // 2
+    assert sum(a.advanced for a in attention.values()) >= N // 2 - 2
     if arrivals == "preempted":
         assert engine.scheduler.preemptions > 0
-    kept = [a.kept for a in engine.decode.attention.values() if a.kept is not None]
-    assert len(kept) == (len(engine.decode.attention) if plan.startswith("kept") else 0)
+    kept = [a.kept for a in attention.values() if a.kept is not None]
+    assert len(kept) == (len(attention) if direct else 0)
     skipped = sum(k.kept for k in kept)
-    before = len(wrappers) if plan == "kept-mapped" else 0  # each graph's second staging buffer planned direct for capture
-    assert sum(w.direct_plans for w in wrappers) == (engine.decode.graphs.replays - skipped + before if direct else 0)
-    if plan.startswith("kept"):
+    before = len(wrappers) if direct else 0  # each graph's second staging buffer planned direct for capture
+    assert sum(w.direct_plans for w in wrappers) == (replays - skipped + before if direct else 0)
+    if direct:
         assert skipped >= N // 2 and sum(k.plans for k in kept) == sum(w.direct_plans for w in wrappers)
     assert all(w.wrapper_plans == 1 for w in wrappers) if direct else sum(w.wrapper_plans for w in wrappers) > N
     if overlap:
@@ -95,9 +91,9 @@ def test_a_graph_of_few_rows_over_a_full_cache_has_room_for_its_padding_pages(mo
     from services.llm.flashinfer_attention import DecodeAttention
     from services.llm.kv_cache import KVCache
 
-    stand_in_flashinfer(monkeypatch)
+    stand_in_flashinfer(monkeypatch, direct)
     cache = KVCache.allocate(1, 9, 4, 2, 8, torch.float32, "cpu")  # 8 blocks and the scratch one
-    attention = DecodeAttention(cache, 1.0, 2, 4, 8, None, direct_plan=direct).plan([])
+    attention = DecodeAttention(cache, 1.0, 2, 4, 8, None).plan([])
     attention.plan([SeqSlice([0, 2, 4, 6], 15, 1), SeqSlice([1, 3, 5, 7], 15, 1)])  # 16 tokens each: 4 blocks
     assert attention.indptr.tolist() == [0, 4, 8, 9, 10]
     assert attention.indices[:10].tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 8]
@@ -150,7 +146,7 @@ def test_each_plan_waits_for_the_last_plans_copy_before_rewriting_its_buffer(mon
     from services.llm.flashinfer_attention import DecodeAttention, FlashInferAttention
     from services.llm.kv_cache import KVCache
 
-    stand_in_flashinfer(monkeypatch)
+    stand_in_flashinfer(monkeypatch, which != "decode")
     log = []
 
     class PrefillWrapper:
@@ -165,7 +161,8 @@ def test_each_plan_waits_for_the_last_plans_copy_before_rewriting_its_buffer(mon
     if which == "prefill":
         attention = FlashInferAttention(cache, 1.0, 2, workspace=torch.zeros(1))
     else:
-        attention = DecodeAttention(cache, 1.0, 2, 4, 8, None, direct_plan=which == "decode-direct").plan([])
+        attention = DecodeAttention(cache, 1.0, 2, 4, 8, None).plan([])
+        attention.kept = None  # every plan run: this is about their copies
         wrapper = attention.wrapper
         plan, module_plan = wrapper.plan, wrapper._cached_module.plan
         wrapper.plan = lambda *a, **kw: log.append("plan") or plan(*a, **kw)
@@ -188,7 +185,7 @@ def test_a_kept_plan_is_the_one_flashinfer_would_make_again(batch, max_tiles):
     from services.llm.decode_plan import KeptPlan
 
     rng = np.random.default_rng(batch)
-    kept = KeptPlan(max_tiles, split=True)
+    kept = KeptPlan(max_tiles)
 
     def plan(pages):
         chunk = chunk_pages(pages.tolist(), 16, max_tiles)
@@ -211,19 +208,15 @@ def test_a_kept_plan_is_the_one_flashinfer_would_make_again(batch, max_tiles):
             chunk = plan(pages)
     assert shorter > 20 and keeps > 1500 and kept.kept == keeps and kept.plans == 2001 - keeps
     # A row shorter than it was at the plan, its tiles the same: a smaller chunk may fit now, and would be chosen
-    two = KeptPlan(3, split=True)
+    two = KeptPlan(3)
     two.planned(np.array([10, 10]), chunk_pages([10, 10], 128, 3))  # 128-token pages: chunks from one page up
     assert two.chunk == 10 and chunk_pages([10, 5], 128, 3) == 5 and not two.keeps(np.array([10, 5]))
     assert two.keeps(np.array([10, 10]))
-    unsplit = KeptPlan(max_tiles, split=False)
-    assert not unsplit.keeps(pages)  # nothing planned yet
-    unsplit.planned(pages, -1)
-    assert unsplit.keeps(pages // 2) and unsplit.keeps(pages * 3) and not unsplit.keeps(pages[1:])
+    fresh = KeptPlan(max_tiles)
+    assert not fresh.keeps(pages)  # nothing planned yet
 
 
-
-@pytest.mark.parametrize("split", [True, False])
-def test_a_plan_kept_as_rows_grow_a_page_is_the_one_a_full_check_keeps(split):
+def test_a_plan_kept_as_rows_grow_a_page_is_the_one_a_full_check_keeps():
     """KeptPlan.grows (some rows a page longer than at the last check, which kept or made the plan) agrees with
     keeps() over the whole table, step after step of growth, at every chunk: a row that fills its last chunk exactly
     and grows a page has one tile more, so the plan is not kept."""
@@ -235,8 +228,8 @@ def test_a_plan_kept_as_rows_grow_a_page_is_the_one_a_full_check_keeps(split):
     outcomes = set()
     for _ in range(400):
         pages = rng.integers(1, 60, rng.integers(1, 12))
-        chunk = int(rng.integers(1, 12)) if split else -1
-        quick, full = KeptPlan(10_000, split), KeptPlan(10_000, split)
+        chunk = int(rng.integers(1, 12))
+        quick, full = KeptPlan(10_000), KeptPlan(10_000)
         quick.planned(pages.copy(), chunk)
         full.planned(pages.copy(), chunk)
         now = pages.copy()
@@ -250,7 +243,8 @@ def test_a_plan_kept_as_rows_grow_a_page_is_the_one_a_full_check_keeps(split):
             outcomes.add(same)
             if not same:
                 break
-    assert outcomes == ({True, False} if split else {True})
+    assert outcomes == {True, False}
+
 
 def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
     """DecodeTable.advance against DecodePages: nine rows of staggered lengths (five of them due a page at the same
@@ -291,28 +285,3 @@ def test_a_table_advanced_a_token_at_a_time_equals_one_built_afresh():
     t = build(short)
     before = (t.indices.tolist(), t.last.tolist())
     assert not t.advance([SeqSlice([7], 4, 1)]) and (t.indices.tolist(), t.last.tolist()) == before
-
-
-def test_unseeded_requests_draw_hashed_noise_from_a_seed_of_their_own(tiny_model, reference, monkeypatch):
-    """decode_hashed_noise: a sampled request without a seed gets a random one when it arrives, so every draw it
-    makes, in the decode graphs (mapped, overlapped) and out, comes from hashed noise and none from torch's
-    generator; its tokens are then those of the same request given that seed, with the setting off."""
-    from dataclasses import replace
-
-    import random
-
-    def run(hashed: bool, seeds: list[int]) -> tuple[list[list[int]], list[int]]:
-        engine = captured(tiny_model, monkeypatch, 4, overlap=True, decode_direct_plan=True, decode_keep_plans=True,
-                          decode_mapped_io=True, decode_hashed_noise=hashed, block_size=4)
-        seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
-        for s, seed in zip(seqs, seeds):
-            s.params = replace(s.params, temperature=0.8, top_k=20, top_p=0.9, seed=seed)
-        run_staggered(engine, seqs)
-        return [s.generated for s in seqs], [s.params.seed for s in seqs]
-
-    random.seed(7)
-    with monkeypatch.context() as m:  # no draw from torch's generator anywhere
-        m.setattr(torch.Tensor, "exponential_", lambda *a, **k: pytest.fail("drew from torch's generator"))
-        hashed, given = run(True, [0, 0, 5, 0])
-    assert given[2] == 5 and all(given) and len(set(given)) == 4
-    assert run(False, given) == (hashed, given)

@@ -4,7 +4,7 @@ requests arriving at different steps, prompts in chunks, and sequences preempted
 import pytest
 import torch
 
-from references import Case, Reference, png, thinker_seq, wav
+from references import Case, Reference, native_thinker, png, thinker_seq, wav
 from services.runtime.errors import ResourceExhausted
 from services.thinker.engine import NativeThinker
 
@@ -16,15 +16,14 @@ CASES = {
                    ("user", [("image", png(3, 96, 64)), ("audio", wav(4)), ("text", "compare"), ("image", png(5))])]),
 }
 ENGINES = {
-    "one step per prompt": {},
+    # as served: decode steps overlapped, other steps in pieces between attentions (graphs on a GPU, eager here)
+    "as served": {},
+    "whole forwards, plain steps": {"overlap": False, "step_graphs": 0},
     "chunked prefill": {"max_batched_tokens": 7},
-    "preemption": {"kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
+    "preemption": {"kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9, "overlap": False, "step_graphs": 0},
     "grouped experts": {"moe": "grouped"},
-    "overlapped decode": {"overlap": True},
-    "overlap and preemption": {"overlap": True, "kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
-    # steps between attentions in pieces (step_graphs: graphs on a GPU, the same pieces run eagerly here)
-    "step pieces": {"step_graphs": 2048},
-    "step pieces, preemption": {"step_graphs": 16, "kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
+    "overlap and preemption": {"kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9, "step_graphs": 0},
+    "pieces, preemption": {"step_graphs": 16, "kv_blocks": 24, "block_size": 4, "max_batched_tokens": 9},
 }
 N = 12
 
@@ -56,25 +55,25 @@ def run_staggered(engine, seqs: list) -> list:
 
 @pytest.mark.parametrize("setup", list(ENGINES))
 def test_greedy_tokens_equal_transformers(tiny_model, reference, expected, setup):
-    engine = NativeThinker(tiny_model, **ENGINES[setup])
+    engine = native_thinker(tiny_model, **ENGINES[setup])
     seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
     run_staggered(engine, seqs)
     for name, seq in zip(CASES, seqs):
         assert seq.generated == expected[name], name
     if "preemption" in setup:
         assert engine.scheduler.preemptions > 0
-    if "overlap" in setup:
+    if engine.overlap:
         assert engine.overlapped >= N // 2 and engine.pending is None
-    if "pieces" in setup:  # every step: no decode graph on the CPU
+    if engine.pieces is not None:  # every step: no decode graph on the CPU
         assert engine.pieces.steps > N
     assert engine.scheduler.allocator.used == 0 and not engine.states
 
 
-@pytest.mark.parametrize("setup", ["one step per prompt", "preemption", "overlap and preemption", "step pieces",
-                                   "step pieces, preemption"])
+@pytest.mark.parametrize("setup", ["as served", "whole forwards, plain steps", "preemption", "overlap and preemption",
+                                   "pieces, preemption"])
 def test_states_for_the_talker_equal_transformers_hidden_states(tiny_model, reference, setup):
     """Input embeddings and the accept layer's output, each position once and in order."""
-    engine = NativeThinker(tiny_model, **ENGINES[setup])
+    engine = native_thinker(tiny_model, **ENGINES[setup])
     accept = reference.spec.talker["accept_hidden_layer"]
     seqs = [thinker_seq(reference, case, N, return_states=True) for case in CASES.values()]
     for (name, case), seq, outs in zip(CASES.items(), seqs, run_staggered(engine, seqs)):
@@ -91,13 +90,13 @@ def test_states_for_the_talker_equal_transformers_hidden_states(tiny_model, refe
         assert embeds.shape == ref_embeds.shape, name
         torch.testing.assert_close(embeds, ref_embeds, rtol=0, atol=1e-6)
         torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-5)
-    if "overlap" in setup:
+    if engine.overlap:
         assert engine.overlapped >= N // 2
 
 
-@pytest.mark.parametrize("setup", ["one step per prompt", "step pieces"])
+@pytest.mark.parametrize("setup", ["as served", "whole forwards, plain steps"])
 def test_prefill_logits_match_transformers(tiny_model, reference, setup):
-    engine = NativeThinker(tiny_model, **ENGINES[setup])
+    engine = native_thinker(tiny_model, **ENGINES[setup])
     for case in CASES.values():
         seq = thinker_seq(reference, case, 1)
         kw = reference.inputs(case)
@@ -114,7 +113,7 @@ def test_prefill_logits_match_transformers(tiny_model, reference, setup):
 
 
 def test_cancel_frees_blocks_and_the_rest_continue(tiny_model, reference, expected):
-    engine = NativeThinker(tiny_model, kv_blocks=64, block_size=4)
+    engine = native_thinker(tiny_model, kv_blocks=64, block_size=4)
     seqs = [thinker_seq(reference, case, N) for case in CASES.values()]
     for s in seqs:
         engine.add(s)
@@ -134,15 +133,16 @@ def test_cancel_frees_blocks_and_the_rest_continue(tiny_model, reference, expect
 
 
 def test_a_request_larger_than_the_cache_is_refused(tiny_model, reference):
-    engine = NativeThinker(tiny_model, kv_blocks=4, block_size=4)
+    engine = native_thinker(tiny_model, kv_blocks=4, block_size=4)
     with pytest.raises(ResourceExhausted, match="more than the KV cache holds"):
         engine.add(thinker_seq(reference, CASES["text"], 8))
 
 
 def test_compiled_layers_give_the_same_tokens(tiny_model, reference, expected):
-    from services.llm.layers import fuse
+    from services.llm.fusion import fuse
 
-    engine = NativeThinker(tiny_model, moe="grouped", compile=True)
+    fuse()  # what a GPU engine does itself
+    engine = native_thinker(tiny_model, moe="grouped")
     try:
         seqs = [thinker_seq(reference, CASES[name], N) for name in ("text", "image")]
         run_staggered(engine, seqs)
@@ -158,7 +158,7 @@ def test_overlapped_decode_gives_the_tokens_of_the_plain_one(tiny_model, referen
     from dataclasses import replace
 
     def run(overlap: bool, stop: tuple = ()) -> tuple[list[list[int]], NativeThinker]:
-        engine = NativeThinker(tiny_model, overlap=overlap)
+        engine = native_thinker(tiny_model, overlap=overlap)
         seqs = [replace(thinker_seq(reference, case, 14), request_id=f"r{i}{name}") for i in range(2) for name, case in CASES.items()]
         for i, s in enumerate(seqs):
             s.params = replace(s.params, temperature=0.0 if i % 3 == 0 else 0.8, top_k=0 if i % 3 == 0 else 20, seed=i + 1,
@@ -224,7 +224,7 @@ def test_a_requests_prompt_length_is_kept_with_it():
     from dataclasses import replace
 
     from services.llm.sampling import SamplingParams
-    from services.thinker.reference import ThinkerSeq
+    from services.thinker.seq import ThinkerSeq
 
     seq = ThinkerSeq("r", torch.arange(7), SamplingParams())
     assert seq.prompt_len == 7 and type(seq.prompt_len) is int

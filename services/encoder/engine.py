@@ -1,5 +1,6 @@
-"""The reference encoder engine: transformers' own vision and audio towers, one call per media item or one per
-step for all of them (`batch`), attending through transformers' SDPA path or ours (`attention: varlen`)."""
+"""The encoder engine: transformers' own vision and audio towers, one call per tower a step for every item of
+every request the step holds (items attend within themselves: varlen attention), the vision tower replayed from
+CUDA graphs on a GPU."""
 
 import time
 from dataclasses import dataclass, field
@@ -11,15 +12,16 @@ from services.encoder.graphs import VisionGraphs
 from services.encoder.plans import VisionPlans
 from services.model.load import load_component
 from services.model.spec import audio_tokens
-from services.preprocess.media import LogMel, PixelNorm
+from services.preprocess.media import PixelNorm
+from services.runtime.config import EncoderConfig, ModelConfig
 from services.runtime.errors import InvalidArgument
+from services.runtime.protoconv import DTYPES
 
 
 @dataclass
 class Item:
     kind: str  # "image" | "video" | "audio"
     values: torch.Tensor  # image/video: [patches, C*T*P*P], uint8 pixels or normalised floats; audio: [mel_bins, frames]
-    # features, or the 16 kHz waveform [samples] whose features the encoder makes on its device
     grid_thw: tuple[int, int, int] | None = None
 
 
@@ -39,38 +41,23 @@ class EncodeJob:
     started: float = 0.0  # when a step took it (its wait in the queue: started - submitted)
 
 
-class ReferenceEncoder:
-    """With `batch`, one tower call per step for all images and videos, and one for all audio, of every
-    request the step holds (the towers attend within each item); without, one call per item."""
-
-    def __init__(self, model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32, load_format: str = "auto",
-                 seed: int = 0, batch: bool = False, attention: str = "sdpa", compile: bool = False, graphs: bool = False):
-        self.device, self.dtype, self.batch = torch.device(device), dtype, batch
-        self.vision = load_component("vision", model_dir, device, dtype, load_format, seed)
-        self.audio = load_component("audio", model_dir, device, dtype, load_format, seed)
-        if attention == "varlen":
-            use_varlen_attention(self.vision)
-            use_varlen_attention(self.audio)
-        elif attention != "sdpa":
-            raise ValueError(f"encoder attention must be varlen or sdpa, not {attention!r}")
-        if compile:  # calls and attributes pass through to the towers; their kernels compiled at first use
-            self.vision, self.audio = torch.compile(self.vision, dynamic=True), torch.compile(self.audio, dynamic=True)
+class Encoder:
+    def __init__(self, model: ModelConfig, cfg: EncoderConfig, device: str = "cpu"):
+        self.device, self.dtype = torch.device(device), DTYPES[model.dtype]
+        args = model.dir, device, self.dtype, model.load_format, model.seed
+        self.vision = use_varlen_attention(load_component("vision", *args))
+        self.audio = use_varlen_attention(load_component("audio", *args))
         self.plans = VisionPlans(self.vision, self.device)  # what the vision tower derives from its grids, kept
-        self.vision_graphs = None  # encoder.graphs: the vision tower replayed from CUDA graphs
-        if graphs:
-            if self.device.type != "cuda" or attention != "varlen":
-                raise ValueError("encoder graphs need a GPU and varlen attention (sdpa reads lengths back every layer)")
-            self.vision_graphs = VisionGraphs(self.vision, self.plans, self.device)
+        graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        self.vision_graphs = VisionGraphs(self.vision, self.plans, self.device) if graphs else None
         vc = self.vision.config
         self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         self.mel_bins = self.audio.config.num_mel_bins
-        self.pixels = PixelNorm(model_dir)  # uint8 patches normalised here, on the towers' device
-        self.log_mel = LogMel(model_dir)  # and waveforms made features here
+        self.pixels = PixelNorm(model.dir)  # uint8 patches normalised here, on the towers' device
 
     def warm(self, image_side: int = 512, clip_seconds: float = 7.0) -> None:
         """One image of `image_side` pixels square and one clip of `clip_seconds` through the towers, so what
-        they compile or allocate at first use is done before a request waits for it (with encoder.graphs, that
-        image's graph captured)."""
+        they allocate at first use is done before a request waits for it (on a GPU, that image's graph captured)."""
         vc = self.vision.config
         side = image_side // (vc.patch_size * vc.spatial_merge_size) * vc.spatial_merge_size  # patches a side
         image = Item("image", torch.zeros(side * side, self.patch_width, dtype=torch.uint8), (1, side, side))
@@ -82,13 +69,9 @@ class ReferenceEncoder:
     def add(self, job: EncodeJob) -> None:
         for i, item in enumerate(job.items):
             if item.kind == "audio":
-                if item.values.dim() == 1:  # a waveform
-                    if len(item.values) <= self.log_mel.n_fft // 2 or not item.values.is_floating_point():
-                        raise InvalidArgument(f"item {i}: an audio waveform must be float samples, more than "
-                                              f"{self.log_mel.n_fft // 2}; got {len(item.values)} {item.values.dtype}")
-                elif item.values.dim() != 2 or item.values.shape[0] != self.mel_bins:
-                    raise InvalidArgument(f"item {i}: audio features must be [{self.mel_bins}, frames] (or a waveform "
-                                          f"[samples]), got {tuple(item.values.shape)}")
+                if item.values.dim() != 2 or item.values.shape[0] != self.mel_bins or not item.values.shape[1]:
+                    raise InvalidArgument(f"item {i}: audio features must be [{self.mel_bins}, frames], got "
+                                          f"{tuple(item.values.shape)}")
             elif item.kind in ("image", "video"):
                 t, h, w = item.grid_thw or (0, 0, 0)
                 if tuple(item.values.shape) != (t * h * w, self.patch_width) or t * h * w == 0:
@@ -104,17 +87,10 @@ class ReferenceEncoder:
 
     @torch.no_grad()
     def step(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:
-        if self.batch:
-            started = time.perf_counter()
-            for job in jobs:
-                job.started = started
-            out = self._step_batched(jobs)
-        else:
-            out = []
-            for job in jobs:
-                t0 = job.started = time.perf_counter()
-                out.append((job, [self._encode(item) for item in job.items]))
-                job.done, job.seconds = True, time.perf_counter() - t0
+        started = time.perf_counter()
+        for job in jobs:
+            job.started = started
+        out = self._encode(jobs)
         if self.device.type == "cuda":  # the transport copies them once this is reached, not after later steps
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
@@ -123,7 +99,7 @@ class ReferenceEncoder:
                     e.ready = ready
         return out
 
-    def _step_batched(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:
+    def _encode(self, jobs: list[EncodeJob]) -> list[tuple[EncodeJob, list[Encoded]]]:
         t0 = time.perf_counter()
         items = [item for job in jobs for item in job.items]
         encoded: dict[int, Encoded] = {}
@@ -147,23 +123,13 @@ class ReferenceEncoder:
             job.done, job.seconds = True, elapsed
         return [(job, [encoded[id(i)] for i in job.items]) for job in jobs]
 
-    def _encode(self, item: Item) -> Encoded:
-        if item.kind == "audio":
-            x = self._mel(item)
-            lens = torch.tensor([x.shape[1]], device=self.device)
-            return Encoded(self.audio(x, feature_lens=lens).last_hidden_state)
-        pooled, deepstack = self._vision(self.pixels(item.values.to(self.device), self.dtype), (tuple(item.grid_thw),))
-        return Encoded(pooled, deepstack)
-
     def _vision(self, pixels: torch.Tensor, grids) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The vision tower's merged embeddings and DeepStack features for normalised patches of `grids`: from a
-        graph (encoder.graphs) or eagerly, its grid-derived inputs precomputed either way."""
+        graph or eagerly, its grid-derived inputs precomputed either way."""
         if self.vision_graphs is not None:
             return self.vision_graphs(pixels, grids)
         out = self.vision(pixels, **self.plans(grids))
         return out.pooler_output, list(out.deepstack_features)
 
     def _mel(self, item: Item) -> torch.Tensor:
-        """An audio item's features [mel_bins, frames] in the towers' dtype: as sent, or made here from its waveform."""
-        values = item.values.to(self.device)
-        return (self.log_mel(values) if values.dim() == 1 else values).to(self.dtype)
+        return item.values.to(self.device, self.dtype)
