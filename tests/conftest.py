@@ -1,5 +1,6 @@
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def wait_until(predicate, timeout: float, every: float = 0.01):
+    """Polls `predicate` until it holds or `timeout` seconds have passed; its last value (falsy: timed out)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()) and time.monotonic() < deadline:
+        time.sleep(every)
+    return value
 
 
 def free_ports(n: int) -> list[int]:

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from conftest import wait_until
 from omni.stage.v1 import tensor_pb2
 from services.runtime import metrics
 from services.runtime.config import TransportConfig
@@ -27,6 +28,26 @@ def make(dtype, shape, seed=0):
 def no_inline(monkeypatch):
     """Every size through shared memory: nothing inline for being small."""
     monkeypatch.setattr(transport, "INLINE_BYTES", 0)
+
+
+class Clock:
+    """transport's time, stood in: monotonic() moves only when a test moves it; sleep() is time's own (the pools'
+    sweepers still sweep every period, at this clock's time)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    sleep = staticmethod(time.sleep)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(transport, "time", c)
+    return c
 
 
 @pytest.fixture
@@ -66,7 +87,8 @@ def test_bytes_and_transfers_are_counted_by_transport_and_direction(pair):
                      ("omni_transport_transfers", "inline", "out"): 1, ("omni_transport_transfers", "inline", "in"): 1}
 
 
-def test_unreleased_slots_are_reclaimed(pair):
+def test_unreleased_slots_are_reclaimed(pair, clock):
+    """Slots nobody released are reclaimed once held longer than reclaim_after_s (1 s here), not before."""
     producer, consumer = pair
     before = metrics.SHM_RECLAIMED.labels("shm")._value.get()
     refs = [producer.put(make(torch.float32, (100,), i), HERE) for i in range(5)]
@@ -74,7 +96,10 @@ def test_unreleased_slots_are_reclaimed(pair):
     consumer.get(refs[0])  # released by its reader
     producer.pool.sweep()
     assert producer.pool.slots_in_use == 4
-    time.sleep(1.3)
+    clock.now += 0.99  # held just under reclaim_after_s: kept
+    producer.pool.sweep()
+    assert producer.pool.slots_in_use == 4 and metrics.SHM_RECLAIMED.labels("shm")._value.get() == before
+    clock.now += 0.02
     producer.pool.sweep()
     assert producer.pool.slots_in_use == 0 and metrics.SHM_RECLAIMED.labels("shm")._value.get() - before == 4
     with pytest.raises(ValueError, match="released or reclaimed before it was read"):
@@ -89,25 +114,29 @@ def _die_holding(ref_bytes: bytes, ready) -> None:
     view = T(C(), "dying")._view(ref.shm.pool)  # maps the pool, never reads or releases the slot
     assert view is not None
     ready.set()
-    time.sleep(60)
+    time.sleep(60)  # until killed
 
 
-def test_a_killed_consumer_leaves_no_slot_held(no_inline):
-    reclaim = 8.0
+def test_a_killed_consumer_leaves_no_slot_held(no_inline, clock):
+    """A consumer process maps the pool and is killed before it reads: the producer's own sweeper thread (nobody
+    calls sweep()) keeps the slot while the clock stays under reclaim_after_s, however often it sweeps meanwhile,
+    and reclaims it once past."""
+    reclaim = 0.2  # the sweeper's period: reclaim / 4, at least 50 ms
     producer = Transport(TransportConfig(pool_bytes=1 << 20, reclaim_after_s=reclaim), "killtest")
-    t0 = time.monotonic()
-    ref = producer.put(make(torch.float32, (1000,)), HERE)
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    proc = ctx.Process(target=_die_holding, args=(ref.SerializeToString(), ready))
-    proc.start()
-    assert ready.wait(30)
-    proc.kill()
-    proc.join()
-    assert time.monotonic() - t0 < reclaim and producer.pool.slots_in_use == 1
-    time.sleep(reclaim - (time.monotonic() - t0) + 2.5)  # the pool's own sweeper reclaims it; nobody calls sweep()
-    assert producer.pool.slots_in_use == 0
-    producer.close()
+    try:
+        ref = producer.put(make(torch.float32, (1000,)), HERE)
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        proc = ctx.Process(target=_die_holding, args=(ref.SerializeToString(), ready))
+        proc.start()
+        assert ready.wait(30)
+        proc.kill()
+        proc.join()
+        assert producer.pool.slots_in_use == 1  # seconds of sweeps at a clock that has not moved
+        clock.now += reclaim + 0.01
+        assert wait_until(lambda: producer.pool.slots_in_use == 0, timeout=5)
+    finally:
+        producer.close()
 
 
 def test_a_full_pool_falls_back_to_inline_without_corruption(no_inline, monkeypatch):
