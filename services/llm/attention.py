@@ -1,9 +1,7 @@
 """Attention over the paged KV cache for a step that mixes prefill chunks and decode tokens.
 
-`TorchAttention` is the reference backend (any device): the step's keys and values go into their slots
-(`kv_slots`: the layer's own projection writes them there, fused with it when compiled), then each sequence
-attends over its own pages with PyTorch's SDPA, as transformers does.
-"""
+`TorchAttention` is the reference (any device): each sequence attends over its pages with SDPA, as transformers
+does. Every backend hands out `kv_slots`, so a layer's projection writes k and v into the cache itself."""
 
 import importlib.util
 from dataclasses import dataclass
@@ -23,8 +21,7 @@ class SeqSlice:
 
 
 class DecodeSlices:
-    """The SeqSlices of a decode step's rows (scheduler Work, one token each), made as they are read: a steady step's
-    plan reads only the rows whose last page is full (DecodeTable.advance), not all 32 of them."""
+    """A decode step's SeqSlices, made as they are read: a steady plan reads only rows with a full last page."""
     __slots__ = ("work",)
 
     def __init__(self, work: list):
@@ -59,13 +56,12 @@ class TorchAttention:
         return self
 
     def kv_slots(self, layer: int):
-        """Where the step's keys and values go: the layer's cache as rows [slots, Hkv, D], and the rows."""
+        """(k cache [slots, Hkv, D], v cache, the step's slots)."""
         return kv_slots(self.cache, layer, self.slot_mapping)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [N, H, D], k and v [N, Hkv, D] -> [N, H, D] (into `out` when given); `written`: k and v are in the
-        cache already (kv_slots)."""
+        """q [N, H, D], k and v [N, Hkv, D] -> [N, H, D]; `written`: k and v are in the cache already."""
         if not written:
             write_kv(self.kv_slots(layer), k, v)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
@@ -77,7 +73,7 @@ class TorchAttention:
             keys = kc[blocks].reshape(-1, *kc.shape[2:])[:total].repeat_interleave(groups, dim=1)  # [T, H, D]
             values = vc[blocks].reshape(-1, *vc.shape[2:])[:total].repeat_interleave(groups, dim=1)
             qs = q[row:row + s.n].transpose(0, 1)[None]  # [1, H, n, D]
-            if s.n == 1 or s.cached == 0:  # decode, or a whole prompt: the masks transformers would use
+            if s.n == 1 or s.cached == 0:  # the masks transformers would use
                 mask, causal = None, s.n > 1
             else:
                 mask, causal = torch.ones(s.n, total, dtype=torch.bool, device=q.device).tril(s.cached), False
@@ -94,31 +90,27 @@ def kv_slots(cache: KVCache, layer: int, slots: torch.Tensor):
 
 
 def write_kv(target, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k and v [N, Hkv, D] into their slots (`target` from a backend's kv_slots)."""
+    """k and v [N, Hkv, D] into `target`, a backend's kv_slots."""
     flat_k, flat_v, slots = target
     flat_k[slots] = k
     flat_v[slots] = v
 
 
 class DenseAttention:
-    """B sequences that are all at the same position, their keys and values in a dense cache
-    [layers, B, T, kv_heads, D]: the code predictor's, whose every request runs the same 16 positions each
-    frame. Shapes are fixed once `at()` says where the step is, so a graph can hold a whole frame."""
+    """B sequences at one position over a dense cache [layers, B, T, kv_heads, D]: fixed shapes, so a graph holds it."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, scale: float):
         self.k, self.v, self.scale = k, v, scale
         self.b = self.cached = self.n = 0
-        self.slots: dict[tuple[int, int, int], torch.Tensor] = {}  # (b, cached, n) -> the step's rows of the cache
+        self.slots: dict[tuple[int, int, int], torch.Tensor] = {}  # (b, cached, n) -> the step's cache rows
 
     def at(self, b: int, cached: int, n: int) -> "DenseAttention":
-        """The next forward: `n` new rows for each of the first `b` sequences, after `cached` positions."""
+        """The next forward: `n` new rows for each of the first `b` sequences after `cached` positions."""
         self.b, self.cached, self.n = b, cached, n
         return self
 
     def kv_slots(self, layer: int):
-        """The step's keys and values as rows of the layer's cache flattened to [B * T, Hkv, D], for the projection's
-        kernel to write (two copies a layer fewer). The rows of each step shape are made once (before a graph
-        records it: its warm-up runs first) and reused."""
+        """The layer's cache as [B * T, Hkv, D] and the step's rows, made once a shape (before a graph records it)."""
         kc, vc = self.k[layer], self.v[layer]
         key = (self.b, self.cached, self.n)
         if key not in self.slots:
@@ -127,8 +119,7 @@ class DenseAttention:
         return kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), self.slots[key]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: bool = False) -> torch.Tensor:
-        """q [b*n, H, D], k and v [b*n, Hkv, D], rows sequence-major -> [b*n, H, D]; `written`: k and v are in
-        the cache already (kv_slots)."""
+        """q [b*n, H, D], k and v [b*n, Hkv, D], sequence-major -> [b*n, H, D]."""
         b, c, n = self.b, self.cached, self.n
         kc, vc = self.k[layer], self.v[layer]
         if not written:
@@ -146,7 +137,7 @@ class DenseAttention:
 
 
 def pick_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: flashinfer on a GPU in 16-bit precision when it is installed, PyTorch's reference otherwise."""
+    """auto: flashinfer on a GPU in 16-bit precision when installed, else PyTorch's reference."""
     if name != "auto":
         if name == "flashinfer" and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
             raise ValueError(f"attention: flashinfer needs a GPU and bfloat16 or float16, not {device.type} / {dtype}")

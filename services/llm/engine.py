@@ -1,13 +1,8 @@
-"""The native engines' core: a model on a paged KV cache, continuous batching with chunked prefill, and one step
-loop.
+"""The native engines' core: a model on a paged KV cache, continuous batching with chunked prefill, one step loop.
 
-A step schedules its rows, launches their forward and sampling without reading anything back, then finishes the
-step before it: waits for its outputs and hands them out. With `overlap`, a step whose rows all run ahead of their
-inputs (decode rows whose next input the device holds) is launched before the previous one is finished, so the
-host's work for a step runs while the device computes the one before; any other step finishes the pending one
-first. A model's engine (the thinker's, the talker's) is this core with its inputs, graph bodies and outputs:
-`launch(work, ahead)`, `finish(launched)` and `runs_ahead(work)`.
-"""
+A step launches its forward and sampling without reading back, then finishes the step before it. With `overlap`,
+a step whose rows' inputs the device already holds is launched before the previous one is read, so the host's
+work hides behind the device's. A model's engine supplies `launch`, `finish` and `runs_ahead`."""
 
 import time
 
@@ -30,8 +25,7 @@ from services.runtime.protoconv import DTYPES
 
 
 def load_model(factory, component: str, model: ModelConfig, device: torch.device, fp8: str = "off") -> nn.Module:
-    """`factory(checkpoint config)` on `device` with the checkpoint's `component` weights, experts in `fp8`, frozen,
-    projections fused; on a GPU the layers' elementwise work compiled (services.llm.fusion)."""
+    """`factory(checkpoint config)` on `device` with `component`'s weights, experts in `fp8`, projections fused."""
     dtype = DTYPES[model.dtype]
     if device.type == "cuda":
         fuse()
@@ -40,19 +34,19 @@ def load_model(factory, component: str, model: ModelConfig, device: torch.device
     load_weights_(module, component, model.dir, dtype, model.load_format, model.seed)
     if fp8 != "off":
         quantize_experts_(module, *fp8_layout(fp8, model.dir, model.load_format, component), activations=fp8 == "channel")
-    module.to(device).eval().requires_grad_(False)  # no autograd records, no compiled variants for it
+    module.to(device).eval().requires_grad_(False)  # no compiled variants for autograd
     fuse_projections_(module)
     return module
 
 
 class Engine:
-    KV_SHARE = 0.8  # of the device memory free after the weights, what the KV cache may take
-    KV_HEADROOM = 8 << 30  # and what it leaves at least (activations, graphs, sampling)
+    KV_SHARE = 0.8  # of the memory free after the weights
+    KV_HEADROOM = 8 << 30  # left at least for activations, graphs, sampling
     KV_CPU_BYTES = 1 << 30
 
     def __init__(self, decoder: nn.Module, text_config, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
                  fp8: str = "off"):
-        """`decoder`: the model's layers.Decoder over the KV cache; `text_config`: its sizes (layers, heads)."""
+        """`decoder`: a layers.Decoder; `text_config`: its sizes."""
         self.cfg, self.device, self.dtype, self.text_config = cfg, torch.device(device), dtype, text_config
         self.moe = resolve(cfg.moe, self.device)
         self.attention_backend = pick_backend(cfg.attention, self.device, dtype)
@@ -63,7 +57,7 @@ class Engine:
             self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         tc, bs = text_config, cfg.block_size
         blocks = cfg.kv_blocks or self._fitting_blocks()
-        # One block more than the allocator hands out: padding rows of captured steps write there.
+        # One block more than the allocator hands out: padding rows of captured steps write there
         self.cache = KVCache.allocate(tc.num_hidden_layers, blocks + 1, bs, tc.num_key_value_heads, tc.head_dim, dtype,
                                       self.device)
         self.scratch_block = blocks
@@ -72,16 +66,15 @@ class Engine:
         self.attention = (FlashInferAttention(self.cache, scale, tc.num_attention_heads, self.workspace) if flashinfer
                           else TorchAttention(self.cache, scale))
         cuda = self.device.type == "cuda"
-        # Whether steps may be captured: flashinfer's attention and experts that ask the device for no sizes
         self.graphable = cuda and flashinfer and capturable(self.moe, fp8)
-        self.pieces = None  # prompt and mixed steps between attentions: graphs on a GPU, eager pieces on the CPU
+        self.pieces = None
         if cfg.step_graphs and (self.graphable or not cuda):
             self.pieces = StepPieces(decoder, self.cache, min(cfg.step_graphs, cfg.max_batched_tokens), self.moe,
                                      blocks * bs, graphs=cuda)
         self.overlap = cfg.overlap
-        self.pending = None  # the launched step whose outputs are not read yet
-        self.overlapped = 0  # steps launched before the previous one's outputs were read
-        self.laps = Laps()  # the host's time by phase of its steps, summed (benchmarks read it)
+        self.pending = None  # launched, outputs not read yet
+        self.overlapped = 0
+        self.laps = Laps()
 
     @property
     def decode_batch(self) -> int:
@@ -94,7 +87,7 @@ class Engine:
         if self.device.type != "cuda":
             return max(64, self.KV_CPU_BYTES // per_block)
         free, _ = torch.cuda.mem_get_info(self.device)
-        # An allocator that runs out frees its cache and retries on every step, which costs more than the blocks.
+        # An allocator that runs out frees its cache and retries every step, which costs more than the blocks
         blocks = int(min(free * self.KV_SHARE, free - self.KV_HEADROOM)) // per_block - 1
         if blocks < 1:
             raise MemoryError(f"{free / 2**30:.1f} GiB free on {self.device} after the weights: no room for a KV cache "
@@ -112,8 +105,7 @@ class Engine:
                 f"{self.scheduler.allocator.num_blocks} KV blocks of {self.scheduler.block_size})")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attention, run, after_layer=None) -> torch.Tensor:
-        """The decoder's output for a step's rows: in pieces where they hold it, else `run()` (the model's own
-        forward in the step's context)."""
+        """The decoder's output: in pieces where they hold the step, else `run()` in the step's context."""
         if self.pieces is not None and x.shape[0] <= self.pieces.max_tokens:
             return self.pieces.forward(x, positions, attention, after_layer)
         with step_context(attention, self.moe):
@@ -129,13 +121,11 @@ class Engine:
         raise NotImplementedError
 
     def launch(self, work: list[Work], ahead: bool):
-        """Queues the step's forward and sampling; reads nothing back. `ahead`: launched before the pending step
-        is finished (its rows' inputs may be that step's outputs, still on the device). Returns what `finish`
-        takes, or None where there is nothing to read."""
+        """Queues forward and sampling, reading nothing back -> what `finish` takes; `ahead` of the pending step."""
         raise NotImplementedError
 
     def finish(self, launched) -> list:
-        """A launched step's outputs, read (its one wait on the device): [(request, output)]."""
+        """A launched step's outputs, its one wait on the device: [(request, output)]."""
         raise NotImplementedError
 
     def account(self, work: list[Work], started: float, seconds: float) -> None:
@@ -143,18 +133,17 @@ class Engine:
 
     @torch.no_grad()
     def step(self, reqs: list) -> list:
-        """One step over what the scheduler picks from every request added (not only `reqs`): the outputs of the
-        step it finishes (with overlap, the step before this one's)."""
+        """One step over what the scheduler picks -> the outputs of the step it finishes (with overlap, the last)."""
         t0 = time.perf_counter()
         self.laps.start()
         work = self.schedule(reqs)
         self.laps.lap("schedule")
         out = []
         ahead = bool(work) and self.overlap and self.runs_ahead(work)
-        if self.pending is not None and not ahead:  # its outputs are this step's inputs: read them first
+        if self.pending is not None and not ahead:  # its outputs are this step's inputs
             out += self.finish(self.pending)
             self.pending = None
-            work = [w for w in work if not w.seq.owner.done]  # ended on the output just read: nothing to compute
+            work = [w for w in work if not w.seq.owner.done]
         launched = self.launch(work, ahead) if work else None
         if self.pending is not None:
             out += self.finish(self.pending)

@@ -1,11 +1,8 @@
 """Attention over the paged KV cache through flashinfer (GPU).
 
-`FlashInferAttention` serves any step: prefill chunks and decode tokens together, through the batch prefill
-kernel over pages, planned once per step (causal, aligned to each sequence's end, so a chunk sees the
-sequence's cached prefix). `DecodeAttention` serves a captured decode graph of a fixed batch size: its
-buffers (page table, slots) keep their addresses, and `plan()` refills them before each replay.
-Both take the step's keys and values in their slots (`kv_slots`), as `TorchAttention` does.
-"""
+`FlashInferAttention` serves any step (prefill chunks and decode tokens together, causal from each sequence's
+end, so a chunk sees its cached prefix). `DecodeAttention` serves a captured decode graph of fixed batch: its
+page table and slots keep their addresses, and `plan()` refills them before each replay."""
 
 import builtins
 
@@ -18,15 +15,12 @@ from services.llm.host import Staging, pinned, upload
 from services.llm.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20
-# The flashinfer whose wrapper's plan DecodeAttention's direct plan stands in for (its module's arguments as that
-# version passes them); any other version plans through the wrapper.
-DIRECT_PLAN_VERSION = "0.6.13"
-# Where in that version's plan info (PrefillPlanInfo::ToVector) the offset of the chosen chunk of keys lies
-CHUNK_OFFSET = 9
+DIRECT_PLAN_VERSION = "0.6.13"  # the wrapper whose module call DecodeAttention repeats; others plan through it
+CHUNK_OFFSET = 9  # of the chosen key chunk's offset in that version's plan info (PrefillPlanInfo::ToVector)
 
 
 def _page_table(slices: list[SeqSlice], block_size: int):
-    """flashinfer's page table for the sequences of a step (host lists): indptr, page ids, last page lengths."""
+    """-> (indptr, page ids, last page lengths) as host lists."""
     indptr, indices, last = [0], [], []
     for s in slices:
         total = s.cached + s.n
@@ -38,17 +32,14 @@ def _page_table(slices: list[SeqSlice], block_size: int):
 
 
 def one_op_max(values, *rest, **kwargs):
-    """builtins.max, but over a non-empty 1-d tensor its largest element from one torch op (a 0-d tensor, as
-    builtins.max gives), not an unbind and a comparison op per element. flashinfer's wrappers (0.6.13) plan with
-    `max(kv_lens_arr_host).item()` over a CPU tensor of every sequence's length: some 30 comparisons a decode step at
-    32 requests (the unbind, gt and is_nonzero rows of bench/results/profile-1xh200-b32-decode-fp8a8-a7aa69a.txt)."""
+    """builtins.max, one op over a 1-d tensor: flashinfer's plans max() a CPU tensor, an op per element otherwise."""
     if not rest and not kwargs and isinstance(values, torch.Tensor) and values.dim() == 1 and values.numel():
         return values.max()
     return builtins.max(values, *rest, **kwargs)
 
 
 def quick_max(*modules) -> None:
-    """`max` in each module's globals is one_op_max: the name a module's code looks up before the builtin."""
+    """`max` in each module's globals, looked up before the builtin, becomes one_op_max."""
     for module in modules:
         module.max = one_op_max
 
@@ -78,7 +69,7 @@ class FlashInferAttention(_Writer):
     def __init__(self, cache: KVCache, scale: float, heads: int, workspace: torch.Tensor | None = None):
         import flashinfer
 
-        quick_max(flashinfer.decode, flashinfer.prefill)  # their plan()s' max over the sequences' lengths
+        quick_max(flashinfer.decode, flashinfer.prefill)
         super().__init__(cache)
         self.scale, self.heads = scale, heads
         dev = cache.k.device
@@ -94,7 +85,7 @@ class FlashInferAttention(_Writer):
         for s in slices:
             qo.append(qo[-1] + s.n)
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
-        i32 = torch.int32  # pinned: flashinfer's own copies to the device then wait for nothing (DecodeAttention.plan)
+        i32 = torch.int32  # pinned: flashinfer's own copies then do not block
         self.copy.wait()
         self.wrapper.plan(pinned(qo, i32), pinned(indptr, i32), pinned(indices, i32), pinned(last, i32),
                           self.heads, kv_heads, head_dim, bs, causal=True, sm_scale=self.scale,
@@ -109,35 +100,30 @@ class FlashInferAttention(_Writer):
 
 
 class DecodeAttention(_Writer):
-    """One token per sequence for exactly `batch` sequences (rows past the real ones are padding: they write
-    to and read from `scratch_block`, which no sequence owns), on flashinfer's tensor-core kernels, which in a
-    graph split each sequence's keys over several CTAs and merge their partial outputs after.
+    """One token for each of exactly `batch` sequences on flashinfer's tensor-core kernels; padding rows write to and
+    read from `scratch_block`, which no sequence owns.
 
-    Planned directly (flashinfer DIRECT_PLAN_VERSION, after one plan through the wrapper has chosen its module),
-    the page table goes by the caller's one copy and the module's plan is called as the wrapper would call it,
-    its checks, conversions and copies skipped; a plan whose schedule would not change is not run (KeptPlan)."""
+    After one plan through the wrapper has chosen its module, plans are direct (DIRECT_PLAN_VERSION): the page table
+    goes by the caller's one copy and the module's plan is called as the wrapper would, its checks and copies skipped;
+    a plan whose schedule would not change is not run (KeptPlan)."""
 
     def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor,
                  staging: Staging | None = None, offset: int = 0):
         import flashinfer
 
-        quick_max(flashinfer.decode, flashinfer.prefill)  # their plan()s' max over the sequences' lengths
+        quick_max(flashinfer.decode, flashinfer.prefill)
         super().__init__(cache)
         self.scale, self.heads, self.batch, self.scratch = scale, heads, batch, scratch_block
         dev = cache.k.device
-        # The new tokens' KV slots and the page table's three arrays (indptr, last pages' lengths, page ids) side by
-        # side in one buffer, at `offset` of a Staging: the slots go by its one copy a step, the page table too where
-        # the plan is direct (flashinfer's own plan copies its arrays one by one). A caller's Staging (`staging`:
-        # the step's other inputs before `offset`) is sent by the caller, `sent` bytes of it after each plan; one of
-        # the attention's own is sent by plan().
+        # Slots, then indptr, last pages' lengths and page ids, at `offset` of a Staging: one copy a step. A caller's
+        # Staging is sent by the caller (`sent` bytes after each plan), the attention's own by plan().
         self.own = staging is None
         self.table = Staging(offset + self.nbytes(batch, cache), dev) if self.own else staging
         self.offset = offset
         self.slot_mapping = self.table.raw[offset:offset + 8 * batch].view(torch.int64)
         table = self.table.raw[offset + 8 * batch:offset + self.nbytes(batch, cache)].view(torch.int32)
         self.indptr, self.last, self.indices = table[:batch + 1], table[batch + 1:2 * batch + 1], table[2 * batch + 1:]
-        self.sent = offset  # the bytes of `table` the last plan filled (from its start)
-        # Each staging buffer's views of the same: slots (int64), page table (int32)
+        self.sent = offset
         self._host = [(buf[offset:offset + 8 * batch].view(np.int64),
                        buf[offset + 8 * batch:offset + self.nbytes(batch, cache)].view(np.int32)) for buf in self.table.buffers]
         self.pages = DecodePages()
@@ -149,27 +135,20 @@ class DecodeAttention(_Writer):
         self.copy = PlanCopy(dev)
         kv_heads = cache.k.shape[3]  # plans kept only where they are direct: KeptPlan reads the direct plan's schedule
         self.kept = KeptPlan(2 * sm_count(dev) // kv_heads) if self.direct_plan and heads // kv_heads <= 16 else None
-        self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)  # one query row per sequence
+        self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)
         self._last_plan: DecodeTable | None = None
-        # The table (and its version) whose page pointers and ids each staging buffer holds, and the one the kept plan
-        # was last checked against
-        self._written: list[tuple | None] = [None, None]
-        self._checked: tuple | None = None
-        self.advanced = 0  # plans that advanced the last one's table (steady)
+        self._written: list[tuple | None] = [None, None]  # (table, version) each staging buffer holds
+        self._checked: tuple | None = None  # (table, version) the kept plan was last checked against
+        self.advanced = 0  # plans that advanced the last table (steady)
 
     @staticmethod
     def nbytes(batch: int, cache: KVCache) -> int:
-        """What a DecodeAttention of `batch` sequences over `cache` takes of a Staging: slots, then the page table,
-        its page ids room for every block and a page for each padding row (the scratch block, again)."""
+        """Bytes of a Staging taken: slots, then the page table with room for every block and a page per padding row."""
         return 8 * batch + 4 * (2 * batch + 1 + cache.k.shape[1] + batch)
 
     def plan(self, slices: list[SeqSlice], steady: bool = False) -> "DecodeAttention":
-        """Page table and slots for `slices` (at most `batch`, one token each), padded to `batch`. With a caller's
-        Staging, its current buffer (the caller's fill()) takes them, and the caller sends `sent` bytes of it.
-
-        `steady`: the caller vouches that `slices` are the last plan's sequences in its order, each one token on
-        (their block tables grown, not replaced): the last plan's table is then advanced a token (DecodeTable.advance),
-        not rebuilt from the block tables."""
+        """Page table and slots for `slices` padded to `batch`, into the Staging's current buffer; `steady`: the last
+        plan's sequences one token on, its table advanced rather than rebuilt."""
         if self.own:
             self.table.fill()
         host_slots, words = self._host[self.table.turn]
@@ -181,22 +160,17 @@ class DecodeAttention(_Writer):
             t = self._last_plan = DecodeTable(slices, np.array(indptr, dtype=np.int32), indices,
                                               np.array(last, dtype=np.int32), np.array(slots, dtype=np.int64), bs)
         host_slots[:] = t.slots
-        n = len(t.indices)  # the page table in the staging buffer too: a graph that loads it (Staging.loaded) reads all
+        n = len(t.indices)  # written even when the wrapper plans: a graph that loads the staging buffer reads all
         words[b + 1:2 * b + 1] = t.last
-        if self._written[self.table.turn] != (t, t.version):  # page pointers and ids, unless this buffer has them
+        if self._written[self.table.turn] != (t, t.version):
             words[:b + 1], words[2 * b + 1:2 * b + 1 + n] = t.indptr, t.indices
             self._written[self.table.turn] = t, t.version
         kv_heads, head_dim = self.cache.k.shape[3], self.cache.k.shape[4]
         if self._planned_once and self._direct(t, kv_heads, head_dim, bs):
             self.sent = self.offset + 8 * b + 4 * (2 * b + 1 + n)
         else:
-            # The page ids go to the device here, without waiting: handed over from the host, flashinfer would
-            # copy them with a blocking copy (a second device sync in the step). The page pointers and last
-            # pages' lengths, which it reads on the host too, go in pinned memory: copied from pageable memory
-            # they would make the host wait for the step still running (an overlapped step's launch would then
-            # start only when the device is idle). Its copies fill the page table's device arrays, so the
-            # Staging's copy stops before them (a graph that loads the staging buffer itself writes them again,
-            # the same).
+            # Page ids uploaded here (flashinfer's copy of host ids blocks); indptr and lengths, which it also reads on
+            # the host, pinned. Its copies fill the device table, so the Staging's copy stops before it.
             pages = upload(t.indices, self.cache.k.device, torch.int32)
             if self.kept is not None:
                 self.kept.forget()
@@ -212,16 +186,13 @@ class DecodeAttention(_Writer):
         return self
 
     def _direct(self, t: "DecodeTable", kv_heads: int, head_dim: int, bs: int) -> bool:
-        """The plan without flashinfer's wrapper (its fa2 tensor-core path): the page table goes by the Staging
-        (plan() wrote it into the staging buffer), and the module's plan is called with the arguments the wrapper's
-        plan gives it. False where it does not apply (the wrapper's plan then runs)."""
+        """The fa2 plan without the wrapper, the page table already in the Staging; False where it does not apply."""
         w = self.wrapper
         if not (self.direct_plan and w._backend == "fa2" and w._jit_module is None and w.is_cuda_graph_enabled):
             return False
         b = self.batch
         if self.kept is not None and self.kept.pages is not None and self._checked is not None and self._checked[0] is t:
-            # The table the last check kept or planned: as it was (kept again), or one page longer in some rows
-            # (KeptPlan.grows), without reading all of it
+            # The last checked table, unchanged or a page longer in some rows: no need to read all of it
             if self._checked[1] == t.version:
                 self.kept.kept += 1
                 return True
@@ -230,18 +201,17 @@ class DecodeAttention(_Writer):
                 return True
         pages = np.diff(t.indptr)
         self._checked = (t, t.version) if self.kept is not None else None
-        if self.kept is not None and self.kept.keeps(pages):  # the schedule on the device already is this one's
+        if self.kept is not None and self.kept.keeps(pages):
             return True
-        # As BatchDecodeWithPagedKVCacheWrapper.plan (0.6.13) calls it for fa2 on tensor cores: total rows and
-        # batch (one query row each), heads, page size, CUDA-graph mode, head dims, not causal, no window, no fixed
-        # split, whether to split the keys, no co-located CTAs. It reads the host arrays before it returns.
+        # As BatchDecodeWithPagedKVCacheWrapper.plan (0.6.13) calls it for fa2: rows, batch, heads, page size, graph
+        # mode, head dims, not causal, no window, no fixed split, keys split, no co-located CTAs.
         self.copy.wait()
         w._plan_info = w._cached_module.plan(
             w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer, self._qo_indptr,
             torch.from_numpy(t.indptr), torch.from_numpy(t.kv_lens), b, b, self.heads, kv_heads, bs, True, head_dim,
             head_dim, False, -1, -1, False, 0)
         self.copy.record()
-        if self.kept is not None:  # the chunk of keys it chose (tokens), from its schedule's pinned copy
+        if self.kept is not None:  # the key chunk it chose, read from the schedule's pinned copy
             at = int(w._plan_info[CHUNK_OFFSET])
             self.kept.planned(pages, int(w._pin_memory_int_workspace_buffer[at:at + 4].view(torch.int32)[0]) // bs)
         return True

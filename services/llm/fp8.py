@@ -1,9 +1,7 @@
 """fp8 (e4m3) experts, applied from outside the model by swapping each layer's experts module.
 
-Weights are quantised once at load, per output channel or per 128 x 128 tile; activations per token at
-run time. The reference path here dequantises and runs the same loop as the float experts: it is what
-faster fp8 kernels are held to.
-"""
+Weights are quantised once at load, per output channel or per 128 x 128 tile; activations per token at run time.
+The reference dequantises and runs the float experts' loop: what faster fp8 kernels are held to."""
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +14,7 @@ from services.llm.moe import Experts, by_expert, combine, decode_kernels, moe_ex
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-FP8_BLOCK = 128  # tile of the block-scaled layout (DeepSeek-style fp8 checkpoints use the same)
+FP8_BLOCK = 128  # as DeepSeek-style fp8 checkpoints tile
 
 
 def quantize(w: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,14 +41,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int | None = None, d
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (fp8 [T, K], scales [T, 1]): one scale per token."""
+    """x [T, K] -> (fp8 [T, K], scales [T, 1])."""
     scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
     return (x.float() / scale).to(FP8), scale
 
 
 def quantize_groups(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (fp8 [T, K], scales [T, K / group]): one scale per token and `group` channels, what the
-    Triton experts do to their inputs with fp8 activations."""
+    """x [T, K] -> (fp8 [T, K], scales [T, K / group]), as the Triton experts quantise fp8 activations."""
     t, k = x.shape
     g = x.float().reshape(t, k // group, group)
     scale = g.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
@@ -72,10 +69,7 @@ class Fp8Experts(nn.Module):
 
     def __init__(self, experts: Experts, block: int | None, stored: tuple[torch.Tensor, ...] | None = None,
                  activations: bool = False):
-        """Quantises `experts`; or, with `stored` (gate_up, its scales, down, its scales: a block-fp8
-        checkpoint's own values, services.model.load.read_fp8_experts), takes those as they are. With
-        `activations`, decode steps through the Triton kernels take the experts' inputs in e4m3 too (per token
-        and 128 channels, triton_moe.quantize_groups) and multiply on fp8 tensor cores."""
+        """Quantises `experts` or takes `stored`; `activations`: the Triton kernels multiply e4m3 inputs too."""
         super().__init__()
         self.block, self.activations = block, activations
         for i, name in enumerate(("gate_up_proj", "down_proj")):
@@ -96,7 +90,7 @@ class Fp8Experts(nn.Module):
                                       self.down_proj_scale, self.block, residual, self.activations)
         if x.is_cuda and backend in ("grouped", "triton") and self.block is None:
             out = self.grouped(x, ids, weights)
-        elif x.is_cuda and backend == "triton":  # a long step (prefill): every expert's tiles dequantised once, bf16 grouped GEMM
+        elif x.is_cuda and backend == "triton":  # a long step: dequantised once, bf16 grouped GEMM
             gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, self.block, x.dtype)
             down = dequantize(self.down_proj, self.down_proj_scale, self.block, x.dtype)
             out = moe_experts(x, ids, weights, gate_up, down, "grouped")
@@ -123,8 +117,7 @@ class Fp8Experts(nn.Module):
 
 
 def fp8_layout(fp8: str, model_dir, load_format: str, component: str) -> tuple[int | None, dict | None]:
-    """(block, stored experts) for quantize_experts_ from the config's `fp8`: per channel; in 128 x 128 tiles; or,
-    from a block-fp8 checkpoint with `block`, in the checkpoint's own tiles and values."""
+    """(block, stored experts) for quantize_experts_; `block` from a block-fp8 checkpoint takes its own values."""
     if fp8 != "block":
         return None, None
     from services.model.load import checkpoint_fp8_block, read_fp8_experts
@@ -137,9 +130,7 @@ def fp8_layout(fp8: str, model_dir, load_format: str, component: str) -> tuple[i
 
 def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict | None = None,
                       activations: bool = False) -> int:
-    """Swaps every experts module of `model` for its fp8 version, in place; returns how many it swapped.
-    `stored` (read_fp8_experts of a checkpoint in `block` tiles, by experts-module name) gives the values of
-    those it covers as the checkpoint has them, not quantised again."""
+    """Swaps every experts module for its fp8 version in place -> how many; `stored` (by module name) as they are."""
     swapped = 0
     for name, module in list(model.named_modules()):
         if isinstance(getattr(module, "experts", None), Experts):
@@ -151,17 +142,14 @@ def quantize_experts_(model: nn.Module, block: int | None = None, stored: dict |
 
 @fusable
 def grouped(x, ids, weights, gate_up, gate_up_scale, down, down_scale) -> torch.Tensor:
-    """fp8 x fp8 grouped GEMMs with per-token and per-channel scales (torch._scaled_grouped_mm, GPU); no
-    host sync, so it runs inside captured graphs."""
+    """fp8 x fp8 grouped GEMMs, per-token and per-channel scales; no host sync, so graphs can hold it."""
     n, k = ids.shape
     order, offs = by_expert(ids, gate_up.shape[0])
     tok = order // k
-    xq, xs = quantize_tokens(x)  # each token quantised once, then its rows gathered as bytes
+    xq, xs = quantize_tokens(x)  # each token once, then its rows gathered as bytes
     h = torch._scaled_grouped_mm(take(xq, tok), gate_up.transpose(1, 2), take(xs[:, 0], tok), gate_up_scale, offs=offs,
                                  out_dtype=torch.bfloat16)
     gate, up = h.chunk(2, dim=-1)
     aq, a_scale = quantize_tokens(F.silu(gate) * up)
     y = torch._scaled_grouped_mm(aq, down.transpose(1, 2), a_scale[:, 0], down_scale, offs=offs, out_dtype=torch.bfloat16)
     return combine(y, order, weights, x.dtype)
-
-

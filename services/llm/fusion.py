@@ -1,5 +1,5 @@
-"""Pure tensor functions that a process compiles once it asks (`fuse()`): a step's tens of small elementwise
-kernels a layer become a few. Each is written plain, the reference the CPU and the tests run as it is."""
+"""Pure tensor functions a process compiles once it asks (`fuse()`): a layer's many small elementwise kernels
+become a few. Each is written plain, the reference the CPU and the tests run."""
 
 from typing import Callable
 
@@ -21,15 +21,14 @@ class fusable:
 
 
 def fuse(enabled: bool = True) -> None:
-    """Every fusable function compiled (or plain again). Attention kernels and the KV writes stay outside."""
+    """Every fusable function compiled (or plain again)."""
     import torch._inductor.config as inductor
 
-    inductor.emulate_precision_casts = True  # round where eager rounds (to bf16 between ops): the same numbers
-    # One variant per model (thinker, talker, predictor: their sizes are constants) and per special row count: past
-    # dynamo's default of 8 variants a function would run eagerly.
+    inductor.emulate_precision_casts = True  # round where eager rounds: the same numbers
+    # A variant per model and special row count: past dynamo's default limit a function would run eagerly
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for f in _FUSABLE:
         if not enabled:
             f.fn = f.plain
-        elif f.fn is f.plain:  # compiled once per process, whatever engines it builds
+        elif f.fn is f.plain:  # once per process
             f.fn = torch.compile(f.plain, dynamic=True)

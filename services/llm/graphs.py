@@ -2,8 +2,7 @@
 
 A body reads buffers whose addresses never change (filled by the caller before each replay) and returns its
 outputs; a replay returns those same tensors, valid until that graph's next replay. A batch of n rows replays
-the graph of the smallest size >= n of a ladder, its padding rows touching only what no real row reads.
-"""
+the graph of the smallest size >= n of a ladder, its padding rows touching only what no real row reads."""
 
 from typing import Callable
 
@@ -20,8 +19,7 @@ def ladder(max_batch: int) -> list[int]:
 
 
 def token_ladder(max_tokens: int) -> list[int]:
-    """16, 32, 48, 64, then 96, 128, 192, 256, ... (x1.5, x4/3), and `max_tokens` itself: a step pads at most
-    half its tokens, where short steps are cheap on the device."""
+    """16, 32, 48, 64, then 96, 128, 192, 256, ... and `max_tokens`: at most half a step is padding."""
     sizes, b = [], 16
     while b < max_tokens:
         sizes.append(b)
@@ -30,8 +28,7 @@ def token_ladder(max_tokens: int) -> list[int]:
 
 
 class Graphs:
-    """Graphs by key. `while_serving`: captured while other threads of the process use the GPU (on other streams),
-    which a capture in CUDA's global mode would refuse."""
+    """Graphs by key. `while_serving`: other threads use the GPU meanwhile, which a global-mode capture refuses."""
 
     def __init__(self, device: torch.device, while_serving: bool = False):
         self.device = torch.device(device)
@@ -44,9 +41,9 @@ class Graphs:
     def __contains__(self, key) -> bool:
         return key in self.graphs
 
-    @torch.no_grad()  # a recorded body never builds an autograd graph (nor a compiled variant that would)
+    @torch.no_grad()
     def capture(self, key, body: Callable[[], tuple]) -> None:
-        """Records `body` as the graph of `key`, after two runs outside it (kernels chosen, workspaces allocated)."""
+        """Records `body` as `key`'s graph after two warm-up runs (kernels chosen, workspaces allocated)."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):

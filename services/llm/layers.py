@@ -1,6 +1,5 @@
 """Building blocks shared by the thinker and the talker: RMSNorm, M-RoPE, QK-norm attention over a paged KV
-cache, dense MLPs, and the decoder stack. Parameter names follow the checkpoints, so weights load by name. The MoE
-block is services/llm/moe.py's."""
+cache, dense MLPs, the decoder stack. Parameter names follow the checkpoints, so weights load by name."""
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +39,7 @@ class MRope(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # [3, N, D/2]
         mixed = freqs[0].clone()
-        for row in (1, 2):  # frequency j takes height if j % 3 == 1, width if j % 3 == 2, within each section
+        for row in (1, 2):  # within each section, frequency j takes height if j % 3 == 1, width if 2
             idx = slice(row, self.sections[row] * 3, 3)
             mixed[..., idx] = freqs[row, ..., idx]
         emb = torch.cat([mixed, mixed], dim=-1)
@@ -66,7 +65,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
-        self.register_buffer("qkv_weight", None, persistent=False)  # q, k, v in one, once loaded (fuse_projections_)
+        self.register_buffer("qkv_weight", None, persistent=False)  # set by fuse_projections_
 
     def qkv(self, x: torch.Tensor, norm: "RMSNorm", cos: torch.Tensor, sin: torch.Tensor, kv=None):
         if self.qkv_weight is None:
@@ -75,8 +74,7 @@ class Attention(nn.Module):
                              norm.eps, self.heads, self.kv_heads, self.head_dim, kv)
 
     def fuse_projections_(self) -> None:
-        """q, k and v weights in one tensor, for one GEMM instead of three; the three parameters stay, as
-        views of it, so the weights keep their checkpoint names."""
+        """q, k and v in one tensor for one GEMM; the parameters become views of it, keeping checkpoint names."""
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
         self.qkv_weight = w
         q, k = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
@@ -85,8 +83,7 @@ class Attention(nn.Module):
 
 
 def fuse_projections_(model: nn.Module) -> int:
-    """Every attention of `model` with its q/k/v projections fused (Attention.fuse_projections_), and every dense
-    MLP with its gate and up projections (MLP.fuse_projections_). Returns the attentions fused."""
+    """Fuses every attention's q/k/v and every dense MLP's gate/up -> the attentions fused."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for m in layers:
         m.fuse_projections_()
@@ -98,11 +95,8 @@ def fuse_projections_(model: nn.Module) -> int:
 
 @fusable
 def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int, kv=None):
-    """Input norm, the fused q/k/v projection, QK-norm and rotary embedding:
-    [N, H] -> q [N, heads, D], k and v [N, kv_heads, D]; with `kv` (an attention backend's kv_slots), k and v
-    also written into the cache. q's and k's heads are normed and rotated as one tensor, each head by its own
-    weight (one kernel each where two were). q and k are views of it: attention takes q's strides."""
-    n = x.shape[0]  # N = tokens of the step, all sequences
+    """[N, H] -> q [N, heads, D], k, v [N, kv_heads, D] (into `kv` if given); q and k normed and rotated as one."""
+    n = x.shape[0]  # tokens of the step, all sequences
     qkv = triton_linear.linear(rms_norm.plain(x, norm_w, eps), qkv_w)
     qk, v = qkv.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
     qk_w = torch.cat([qn_w.expand(heads, head_dim), kn_w.expand(kv_heads, head_dim)])
@@ -117,15 +111,14 @@ def pre_attention(x, norm_w, qkv_w, qn_w, kn_w, cos, sin, eps: float, heads: int
 
 @fusable
 def post_attention(x, attn, o_w, norm_w, eps: float):
-    """Output projection and residual, then the MLP's input norm: returns (residual stream, normed). Few rows go
-    through triton_linear, its partial sums added up in this kernel."""
+    """Output projection, residual, the MLP's norm -> (residual, normed); triton_linear's partials summed here."""
     x = x + triton_linear.linear(attn, o_w)
     return x, rms_norm.plain(x, norm_w, eps)
 
 
 @fusable
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """A dense MLP's activation from its fused gate and up projections [N, 2I] -> [N, I]."""
+    """[N, 2I] -> [N, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -136,11 +129,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.register_buffer("gate_up_weight", None, persistent=False)  # gate and up in one, once loaded
+        self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse_projections_
 
     def fuse_projections_(self) -> None:
-        """gate and up weights in one tensor, for one GEMM instead of two; the two parameters stay, as views of
-        it, so the weights keep their checkpoint names."""
+        """gate and up in one tensor for one GEMM; the parameters become views of it, keeping checkpoint names."""
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
         self.gate_up_weight = w
         i = self.gate_proj.weight.shape[0]
@@ -148,10 +140,7 @@ class MLP(nn.Module):
         self.up_proj.weight = nn.Parameter(w[i:], requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Fused: three kernels (gate-and-up GEMM, the activation, the down GEMM with the residual added in its
-        epilogue) where the plain form takes six; the code predictor runs 75 of these a frame. The residual is
-        added into in place (the layer's residual stream, read by nothing after): out of place, cuBLAS would
-        first copy it into the output, a kernel more."""
+        """Three kernels, not six; the residual is added into in place, as out of place cuBLAS would copy it first."""
         if self.gate_up_weight is None or x.dim() != 2:
             out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
             return out if residual is None else residual + out
@@ -162,7 +151,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then MLP: the model's MoE block (`moe`) when the config has experts, a dense MLP otherwise."""
+    """Pre-norm attention, then `moe` where the config has experts, else a dense MLP."""
 
     def __init__(self, cfg, layer: int, moe: type = SparseMoE):
         super().__init__()
@@ -174,20 +163,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         attn, backend = self.self_attn, get_context().attention
-        kv = backend.kv_slots(attn.layer)  # where the keys and values go, for the projection to write them
+        kv = backend.kv_slots(attn.layer)  # for the projection to write k and v itself
         q, k, v = self.before_attention(x, cos, sin, kv)
         out = backend.forward(attn.layer, q, k, v, written=kv is not None)  # [N, heads, D]
         return self.after_attention(x, out)
 
-    # The layer in two parts around its attention kernel (services/llm/pieces.py records each as a graph).
+    # The two parts around attention: pieces.py records each as a graph
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None):
-        """Input norm, q/k/v, QK-norm, rotation: q [N, heads, D], k and v [N, kv_heads, D] (with `kv`, a
-        backend's kv_slots, k and v written into the cache too)."""
         return self.self_attn.qkv(x, self.input_layernorm, cos, sin, kv)
 
     def after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, norm and the MLP: the layer's output [N, H] from its input and the
-        attention's [N, heads, D]."""
+        """x [N, H] and the attention's [N, heads, D] -> the layer's output [N, H]."""
         norm = self.post_attention_layernorm
         x, h = post_attention(x, out.reshape(x.shape[0], -1), self.self_attn.o_proj.weight, norm.weight, norm.eps)
         return self.mlp(h, residual=x)
@@ -204,8 +190,7 @@ class Decoder(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`rope`: the rows' (cos, sin) [N, D] already made, in place of `positions` (the code predictor's,
-        whose positions are the same every frame)."""
+        """`rope`: (cos, sin) [N, D] made already, in place of `positions` (the code predictor's never change)."""
         cos, sin = rope if rope is not None else self.rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)

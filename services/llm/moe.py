@@ -1,7 +1,5 @@
-"""Routed experts of a MoE layer, three ways (the step context's `moe_backend`): the loop over experts that
-transformers runs (the reference, in its order of summation), a grouped GEMM over tokens sorted by expert (one
-launch per projection), and for the few tokens of a decode step Triton kernels that stream each touched expert
-once (triton_moe.py), the grouped GEMM for longer steps."""
+"""Routed experts of a MoE layer, by the step context's `moe_backend`: transformers' loop (the reference), a
+grouped GEMM over rows grouped by expert, or Triton kernels for decode steps (triton_moe.py)."""
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +23,6 @@ def resolve(backend: str, device: torch.device) -> str:
 
 
 def decode_kernels(backend: str, x: torch.Tensor) -> bool:
-    """Whether a step of `x`'s rows runs the Triton kernels (routing and experts)."""
     return backend == "triton" and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS
 
 
@@ -34,7 +31,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H], plus `residual` if given."""
     if decode_kernels(backend, x):
         return triton_moe.experts(x, ids, weights, gate_up, down, residual=residual)
-    if backend in ("grouped", "triton"):  # compiled (when fused) in bf16, the dtype torch compiles grouped GEMMs for
+    if backend in ("grouped", "triton"):  # torch compiles grouped GEMMs for bf16 only
         out = (grouped if x.dtype == torch.bfloat16 else grouped.plain)(x, ids, weights, gate_up, down)
     else:
         out = loop(x, ids, weights, gate_up, down)
@@ -42,7 +39,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
 
 
 def capturable(backend: str, fp8: str = "off") -> bool:
-    """Whether a decode step's experts run without asking the device for sizes, so a CUDA graph can hold them."""
+    """Whether the experts ask the device for no sizes, so a CUDA graph can hold them."""
     return backend == "triton" or (backend == "grouped" and fp8 != "block")
 
 
@@ -58,14 +55,11 @@ def loop(x, ids, weights, gate_up, down):
 
 
 def by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, slot) rows of `ids` [T, k] grouped by expert, in row order within each (what a stable
-    argsort gives), and each group's end offset [E] (int32), by counting instead of sorting: a radix sort is
-    the largest kernel of a decode step's routing, and bincount asks the device for its size, which no
-    graph can capture."""
+    """-> (rows of `ids` [T, k] by expert as a stable argsort, group ends [E]) by counting: no sort, no device size."""
     flat = ids.reshape(-1)
     onehot = F.one_hot(flat, experts).to(torch.int32)  # [R, E]
     counts = onehot.sum(0)
-    rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # place of each row within its expert's group
+    rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # within its expert's group
     pos = (counts.cumsum(0) - counts)[flat] + rank
     order = torch.empty_like(flat).scatter_(0, pos.long(), torch.arange(flat.numel(), device=flat.device))
     return order, counts.cumsum(0).to(torch.int32)
@@ -73,15 +67,14 @@ def by_expert(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tens
 
 @torch.compiler.disable
 def take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows[index] by ATen's gather kernel, kept out of compiled code, where inductor's own gather of the routed
-    rows (with fp8's quantisation folded in) is many times slower."""
+    """rows[index] by ATen, outside compiled code: inductor's gather of the routed rows is many times slower."""
     return rows.index_select(0, index)
 
 
 @fusable
 def grouped(x, ids, weights, gate_up, down):
     n, k = ids.shape
-    order, offs = by_expert(ids, gate_up.shape[0])  # rows grouped by expert: T*k rows, E groups
+    order, offs = by_expert(ids, gate_up.shape[0])
     h = torch._grouped_mm(take(x, order // k), gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T*k, H]
@@ -89,18 +82,15 @@ def grouped(x, ids, weights, gate_up, down):
 
 
 def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Routed rows `y` [T*k, H], in expert order (`order` from by_expert), back to their tokens [T, H]: each
-    token's k rows weighted and summed in float32, then rounded once, as the Triton kernels combine. An
-    index_add_ would add them with atomics, in an order (and with bf16 roundings between) that changes from run
-    to run: the same prompt would not give the same tokens twice."""
+    """Routed rows `y` [T*k, H] back to tokens [T, H] in float32, deterministically: index_add_'s atomics are not."""
     n, k = weights.shape
-    rows = torch.empty_like(y).index_copy_(0, order, y)  # row t*k + slot: each index once, so deterministic
+    rows = torch.empty_like(y).index_copy_(0, order, y)  # each index once: deterministic
     return (rows.view(n, k, -1).float() * weights.float()[..., None]).sum(1).to(dtype)
 
 
 @fusable
 def route(x, gate_w, top_k: int, norm_topk: bool):
-    """Top-k experts per token and their weights (renormalised when `norm_topk`), in x's dtype."""
+    """Top-k experts per token and their weights, in x's dtype."""
     logits = F.linear(x, gate_w)  # [N, E]
     probs = logits.softmax(-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k]
@@ -128,8 +118,6 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k of E experts per token, the chosen weights renormalised when the config's `norm_topk_prob`."""
-
     def __init__(self, cfg):
         super().__init__()
         self.gate = Router(cfg.hidden_size, cfg.num_experts)
@@ -137,12 +125,12 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def routed(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' output, plus `residual` when given (the experts' kernels add it for free)."""
+        """The routed experts' output, plus `residual` (the kernels add it for free)."""
         if decode_kernels(get_context().moe_backend, x):
             ids, weights = triton_route.route(x, self.gate.weight, self.top_k, self.norm_topk)  # two kernels, not five
         else:
             ids, weights = route(x, self.gate.weight, self.top_k, self.norm_topk)
-        return self.experts(x, ids, weights, residual)  # a module: quantisation swaps it (services/llm/fp8.py)
+        return self.experts(x, ids, weights, residual)  # a module, so fp8.py can swap it
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.routed(x, residual)

@@ -1,5 +1,7 @@
-"""Choosing the next token from logits: repetition penalty, minimum length, suppressed ids, then greedy
-or temperature / top-k / top-p sampling from a per-request generator (transformers' order)."""
+"""The next token from logits: repetition penalty, minimum length, suppressed ids, then greedy or
+temperature / top-k / top-p sampling (transformers' order).
+
+Seeded draws use noise hashed from (seed, counter), so a row draws the same token in any batch, in or out of a graph."""
 
 from dataclasses import dataclass, field
 
@@ -30,7 +32,6 @@ class SamplingParams:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Scores of tokens already seen are divided by `penalty` (multiplied when negative)."""
     if penalty == 1.0 or history.numel() == 0:
         return logits
     score = logits.gather(-1, history)
@@ -70,43 +71,35 @@ def sample_next(
 
 
 def _padded(histories: list, device) -> torch.Tensor:
-    """Histories of different lengths as one [rows, longest] index tensor, short rows padded with their own
-    first id (a repeat changes nothing: the penalty applies to each seen id once)."""
+    """Histories as one [rows, longest] tensor, padded with each row's first id: a repeated id changes nothing."""
     longest = max(len(h) for h in histories)
-    if all(not isinstance(h, torch.Tensor) for h in histories):  # host lists: one copy
+    if all(not isinstance(h, torch.Tensor) for h in histories):
         padded = [list(h) + [h[0]] * (longest - len(h)) for h in histories]
         return upload(padded, torch.device(device), torch.long)
     rows = [torch.as_tensor(h, device=device).long() for h in histories]
     return torch.stack([torch.cat([r, r[:1].expand(longest - len(r))]) for r in rows])
 
 
-CANDIDATES = 64  # the best logits a captured step's own draw chooses among (sample_tensors' k there)
-# Vocabularies up to this size (the talker's codes, the code predictor's) find their candidates with one stable sort
-# of each row, cheaper there than a top-k and the two sorts that put its ties in id order; the thinker's 152k-token
-# rows keep the top-k. Either way the candidates are the best k, equal logits in id order.
-SORTED_VOCAB = 4096
+CANDIDATES = 64  # the best logits a captured step draws among
+SORTED_VOCAB = 4096  # up to this, one stable sort beats a top-k and the two sorts that order its ties
 
 
 def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exponential(1) noise [S, vocab] that depends only on (seed, counter, column): a row's draw is the same
-    whatever else shares its batch and on any device, with no generator object and no per-row launch."""
+    """Exponential(1) noise [S, vocab] from (seed, counter, column) alone: the same in any batch, on any device."""
     m = 0xFFFFFFFF
     x = (seeds[:, None] * 0x2545F491 + (seeds[:, None] >> 32) * 0x6C8E9CF5 + counters[:, None] * 0x9E3779B1
          + torch.arange(vocab, device=seeds.device)) & m
     for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B)):  # lowbias32: every input bit moves every output bit
         x = ((x ^ (x >> shift)) * mult) & m
     x = x ^ (x >> 16)
-    u = ((x >> 8).float() + 0.5) * 2.0**-24  # 24 random bits, strictly inside (0, 1)
+    u = ((x >> 8).float() + 0.5) * 2.0**-24  # strictly inside (0, 1)
     return -u.log()
 
 
 @fusable
 def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    seeds: torch.Tensor, counters: torch.Tensor, k: int) -> torch.Tensor:
-    """sample_batch's draw with every per-row setting a tensor [B] and no decision on the host, so a graph
-    can hold it: greedy where temps == 0, else a draw from the row's best top_k (at most `k`) within top_p,
-    from noise hashed from (seed, counter) where seed != 0 and from torch's generator elsewhere. A row gets
-    the token sample_batch gives it for the same settings."""
+    """sample_batch's draw with every setting a tensor [B] and no host decision, so a graph can hold it."""
     logits = logits.float()
     probs, order = _candidates(logits, torch.where(temps > 0, temps, 1.0), top_k, top_p, k)
     noise = hashed_exponential(seeds, counters, k)
@@ -115,41 +108,30 @@ def sample_tensors(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tenso
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) of [B, V] (the first of equal maxima), in two reductions where V splits into 256 equal
-    chunks: each chunk's max, then the first chunk holding the row's. Compiled as one reduction over whole rows,
-    it reads a decode step's logits with one program a row, far under the GPU's bandwidth."""
+    """x.argmax(-1) of [B, V] in two reductions over 256 chunks: one reduction runs a program a row, far too few."""
     b, v = x.shape
     if v < 1 << 14 or v % 256:
         return x.argmax(-1)
-    best, at = x.view(b, 256, v // 256).max(-1)  # each chunk's first maximum
-    chunk = best.argmax(-1, keepdim=True)  # the first chunk holding the row's maximum
+    best, at = x.view(b, 256, v // 256).max(-1)
+    chunk = best.argmax(-1, keepdim=True)  # the first chunk with the maximum: ties go to the first id
     return (chunk * (v // 256) + at.gather(-1, chunk))[:, 0]
 
 
 def tensor_drawable(p: SamplingParams, generated: int, k: int = CANDIDATES) -> bool:
-    """Whether sample_tensors over the best `k` logits gives this row the token sample_batch gives it: greedy, or
-    a top-k below `k` (topk cuts a run of equal logits at rank k wherever its kernel happens to; a row's own
-    cut below k is the same either way unless that run reaches it); no repetition penalty and no stop ids
-    banned for a minimum length (sample_batch's host-side cases). The draws are the same function of (seed,
-    counter)."""
+    """Whether sample_tensors gives this row sample_batch's token: greedy or top-k below `k`, no host-side cases."""
     return (p.repetition_penalty == 1.0 and not (generated < p.min_tokens and p.stop_token_ids)
             and (p.temperature == 0 or 0 < p.top_k < k))
 
 
-
-
 def _candidates(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int):
-    """Each row's best `k` tokens by logit / temperature and the probability of drawing each: zero past the
-    row's own top_k and outside the smallest head holding top_p. -> (probs [B, k], token ids [B, k])."""
+    """-> (probs [B, k], ids [B, k]) of each row's best `k`, zero past its top_k and outside its top_p head."""
     scaled = logits / temps[:, None]
     if scaled.shape[-1] <= SORTED_VOCAB:  # one stable sort of the row: best first, equal logits in id order
         scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
         scaled, order = scaled[:, :k], order[:, :k]
     else:
-        scaled, order = scaled.topk(k, dim=-1)  # best first: a top-k, not a vocabulary sort
-        # Equal logits are common (bf16) and topk orders them as its kernel happens to, which differs with k, the
-        # batch's shape and the device: ties are put in id order, so a row's candidates (and the rank its noise is
-        # hashed at) are the same wherever it is drawn.
+        scaled, order = scaled.topk(k, dim=-1)
+        # topk orders ties (common in bf16) as its kernel happens to: id order makes a row's draw the same anywhere
         order, by_id = order.sort(dim=-1)
         scaled, rank = scaled.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
         order = order.gather(-1, rank)
@@ -166,11 +148,7 @@ def _race(probs: torch.Tensor, order: torch.Tensor, noise: torch.Tensor) -> torc
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list | None = None,
                  generated: list[int] | None = None, suppress: list[torch.Tensor | None] | None = None,
                  counters: list[int] | None = None) -> torch.Tensor:
-    """One token per row of `logits` [B, V] with tensor ops over the batch, deciding on the host which rows
-    need what (so nothing waits on the device): repetition penalties over every row's history (`seen`: ids,
-    host lists best) in one gather and scatter, ids banned for a minimum length in one write, suppressed ids
-    in one write per distinct set (rows passing the same tensor share it). A seeded row draws from noise
-    hashed from (seed, counters[i]) (0 without `counters`), the others from torch's generator."""
+    """A token per row of `logits` [B, V] by batched ops, the host deciding which rows need what, nothing waiting."""
     b, vocab = logits.shape
     dev = logits.device
     logits = logits.float()
@@ -178,13 +156,13 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list 
                  if seen is not None and seen[i] is not None and len(seen[i]) and p.repetition_penalty != 1.0]
     banned = {i: list(p.stop_token_ids) for i, p in enumerate(params)
               if generated is not None and generated[i] < p.min_tokens and p.stop_token_ids}
-    shared: dict[int, tuple[torch.Tensor, list[int]]] = {}  # suppressed ids: rows grouped by the set they share
+    shared: dict[int, tuple[torch.Tensor, list[int]]] = {}  # id(suppressed ids) -> (ids, rows)
     for i, ids in enumerate(suppress or ()):
         if ids is not None and len(ids):
             shared.setdefault(id(ids), (torch.as_tensor(ids, device=dev), []))[1].append(i)
     if penalised or banned or shared:
-        logits = logits.clone()  # the caller's logits stay as they were
-    if penalised:  # every row's history at once: one gather, one scatter
+        logits = logits.clone()
+    if penalised:
         rows = upload(penalised, dev)
         hist = _padded([seen[i] for i in penalised], dev)
         score = logits[rows[:, None], hist]
@@ -202,19 +180,17 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seen: list 
     if not picked_rows:
         return out
     picked = [params[i] for i in picked_rows]
-    # Per-row settings in one copy each, queued without waiting on the device.
     ints = upload([picked_rows, [p.top_k or vocab for p in picked], [p.seed & (2**63 - 1) for p in picked],
                    [counters[i] if counters is not None else 0 for i in picked_rows]], dev, torch.long)
     floats = upload([[p.temperature for p in picked], [p.top_p for p in picked]], dev, torch.float32)
     rows, top_k, seeds, steps = ints
     temps, top_p = floats
-    # Only the best max(top_k) can be drawn; never fewer than CANDIDATES, so rows draw from the candidates a
-    # graph's sample_tensors(k=CANDIDATES) takes (equal logits across rank k are cut where topk happens to).
+    # At least CANDIDATES: the candidates a graph's sample_tensors takes, ties at rank k cut the same way
     k = min(max(CANDIDATES, *(p.top_k or vocab for p in picked)), vocab)
     probs, order = _candidates(logits[rows], temps, top_k, top_p, k)
     hashed = [j for j, p in enumerate(picked) if p.seed]
     if len(hashed) == len(picked):
-        noise = hashed_exponential(seeds, steps, k)  # noise per candidate rank: a draw from `probs`
+        noise = hashed_exponential(seeds, steps, k)  # per candidate rank
     else:
         noise = torch.empty_like(probs).exponential_()
         if hashed:

@@ -2,8 +2,7 @@
 
 Each step has a token budget. Running sequences go first (a decode is one token; a prompt goes in chunks),
 then waiting ones, oldest first, as far as the budget and the KV blocks allow. When blocks run out, the
-most recently admitted sequence is preempted: its blocks are freed and it is recomputed later.
-"""
+most recently admitted sequence is preempted: its blocks are freed and it is recomputed later."""
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -62,17 +61,16 @@ class Scheduler:
 
     def schedule(self) -> list[Work]:
         budget, work, bs, preempted = self.max_tokens, [], self.block_size, self.preemptions
-        # A decode step of many sequences runs this loop once per sequence, every step: what it does for one that
-        # needs no new block (most steps of most sequences) is a few integer operations, no calls.
+        # Runs per sequence every step: a sequence needing no block costs a few integer operations, no calls
         for seq in list(self.running):
-            if preempted != self.preemptions and seq not in self.running:  # preempted by an earlier one this step
+            if preempted != self.preemptions and seq not in self.running:  # preempted earlier this step
                 continue
             computed = seq.computed
             n = min(len(seq.tokens) - computed, budget)
-            if n <= 0:  # nothing new for it yet (a talker between frames), or no budget left
+            if n <= 0:  # nothing new yet (a talker between frames), or no budget left
                 continue
             need = -(-(computed + n) // bs) - len(seq.blocks)
-            if need > 0:  # most decode steps need none: a block holds block_size tokens
+            if need > 0:
                 while not self.allocator.can_allocate(need):
                     victim = self.running[-1]
                     self._preempt(victim)

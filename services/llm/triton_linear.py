@@ -1,15 +1,9 @@
 """Projections of a few rows (a decode step's) as one Triton kernel each, split over the reduction.
 
-At 32 rows the thinker's q/k/v and output projections are reads of their weights (21 and 17 MB a layer), yet cuBLAS
-takes 8.0 us for the first (2.6 TB/s) and 7.6 us plus a 1.9 us reduction kernel for the second, split over K
-(bench/results/profile-1xh200-b32-decode-bf16-acc04a2.txt). Here each program takes BLOCK_N output channels and
-one of `split` slices of the reduction for all rows at once (up to 64), streams that slice of the weights once
-and stores its float32 partial sums: `partials` gives [split, rows, N], which the caller sums (in its compiled
-code, so the sum, the rounding to bf16 and what follows, a residual add and a norm, are one kernel), as cuBLAS's
-split-K sums in float32 and rounds once. `split` and the tiles depend only on the weight's shape, so a compiled
-caller with a dynamic row count sees one output shape per weight. Measured, only the output projection gains
-(TILES): q/k/v stays with cuBLAS.
-"""
+A decode step's projection is a read of its weight; cuBLAS's split-K adds a reduction kernel. Here each program
+streams BLOCK_N channels of one of `split` slices of K for all rows and stores float32 partials [split, rows, N],
+which the compiled caller sums into what follows (residual add, norm): one kernel. `split` depends only on the
+weight's shape, so a dynamic row count sees one output shape per weight."""
 
 import contextlib
 import os
@@ -19,11 +13,11 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU installs without triton: callers keep F.linear
+except ImportError:  # CPU installs: callers keep F.linear
     triton = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (the tests)
-MAX_ROWS = 64  # more rows (prefill) go to cuBLAS, which then reads each weight tile for many rows at once
+MAX_ROWS = 64  # more rows go to cuBLAS, which then reads each weight tile for many rows
 
 
 if triton is not None:
@@ -49,20 +43,14 @@ if triton is not None:
         tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-# The weight shapes (N, K) these kernels take, each with its tiles, measured on an H200 (bench/linear.py,
-# bench/results/linear-1xh200-*.json): the thinker's output projection at 1 / 8 / 32 / 64 rows 6.7 / 6.8 / 7.5 / 7.5 us
-# against cuBLAS's 9.3 / 9.5 / 9.8 / 10.1 (its split-K GEMM and reduction). The thinker's q/k/v projection is not
-# among them: its best shape took 8.0 / 8.2 / 9.1 / 9.8 us against cuBLAS's 8.1 / 8.3 / 8.7 / 8.5. Other shapes stay
-# with cuBLAS until measured; `tiles` proposes DEFAULT's for them (the sweep's first guess), split so that some
-# PROGRAMS programs share the GPU's 132 SMs.
+# The weight shapes (N, K) that beat cuBLAS (the thinker's output projection; q/k/v does not): docs/decisions.md
 TILES: dict[tuple[int, int], dict] = {(2048, 4096): dict(split=4, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)}
 DEFAULT = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 PROGRAMS = 256
 
 
 def tiles(n: int, k: int) -> dict:
-    """The kernel's split and tiles for a weight [n, k]: TILES's, else DEFAULT's with the fewest slices of K (each
-    a whole number of K tiles) that give PROGRAMS programs."""
+    """Split and tiles for a weight [n, k]: TILES's, else DEFAULT's, K split until PROGRAMS programs."""
     if (n, k) in TILES:
         return dict(TILES[n, k])
     cfg, blocks = dict(DEFAULT, split=1), -(-n // DEFAULT["BLOCK_N"])
@@ -72,11 +60,10 @@ def tiles(n: int, k: int) -> dict:
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `partials` takes x @ w.T: a CUDA (or interpreted) step of at most MAX_ROWS rows, w of a shape in
-    TILES, both contiguous in the reduction."""
+    """Whether `partials` takes x @ w.T: at most MAX_ROWS rows, w's shape in TILES, both contiguous in K."""
     if triton is None or x.dim() != 2 or w.dim() != 2 or not (x.is_cuda or INTERPRET):
         return False
-    n, k = int(w.shape[0]), int(w.shape[1])  # compiled with dynamic shapes: a weight's are constants
+    n, k = int(w.shape[0]), int(w.shape[1])  # a weight's shape is constant under dynamic shapes
     return (n, k) in TILES and x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1
 
 
@@ -91,8 +78,7 @@ def partials(x: torch.Tensor, w: torch.Tensor, cfg: dict | None = None) -> torch
     out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     if m == 0:
         return out
-    # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter, whose bf16 dot is wrong
-    dot = tl.float32 if INTERPRET else tl.bfloat16
+    dot = tl.float32 if INTERPRET else tl.bfloat16  # the interpreter's bf16 dot is wrong
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
         _partials_kernel[grid](x, w, out, m, n, x.stride(0), w.stride(0), out.stride(0), K_SPLIT=k // split, DOT=dot,
@@ -104,7 +90,7 @@ if triton is not None:
 
     @torch.library.custom_op("omni::linear_partials", mutates_args=())
     def linear_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`partials` as an op compiled code calls as it is (inductor fuses the sum of its output into what follows)."""
+        """`partials` as an opaque op: inductor fuses the sum of its output into what follows."""
         return partials(x, w)
 
     @linear_partials.register_fake
@@ -114,7 +100,7 @@ if triton is not None:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) in x's dtype; where `usable`, through the partial sums, summed in float32 and rounded once."""
+    """F.linear(x, w); where `usable`, through the partials, summed in float32 and rounded once."""
     if usable(x, w):
         return torch.ops.omni.linear_partials(x, w).sum(0).to(x.dtype)
     return torch.nn.functional.linear(x, w)

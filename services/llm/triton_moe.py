@@ -1,29 +1,11 @@
 """Routed experts as Triton kernels, for the few tokens of a decode step.
 
-A decode step routes a handful of tokens to each touched expert, so the step's cost is reading those
-experts' weights. The grouped GEMM pads every expert's group to a wide tile and spends launches on the
-glue between its two GEMMs; here each program takes one expert, up to BLOCK_M of its rows and BLOCK_N
-output channels, and streams that slice of the expert's weights once:
-
-  1. gate_up: each program finds its expert's rows among the step's routed ids itself (no sort, no host
-     sync), gathers x by token, accumulates gate and up side by side and stores `silu(gate) * up` per
-     routed row: no [rows, 2I] tensor;
-  2. down: those rows' activations times the expert's down projection, scaled by the row's routing weight
-     and stored at the row's own place;
-  3. combine: a token's k rows summed in float32, the layer's residual added, one rounding (no atomics).
-
-Before them the router's work (logits, softmax, top-k, renormalisation) runs in two kernels of its own
-(triton_route.py).
-
-Weights are bf16, or fp8 (e4m3) with per-channel or 128 x 128 tile scales: dequantised in the kernel
-(activations stay bf16: fp8 then only halves the bytes read, which is what a decode step waits on), or,
-with fp8 activations, multiplied as e4m3 on the tensor cores against activations quantised per row and 128
-channels once per projection (`quantize_groups`, one small kernel; no weight converted, scales applied per
-128 of the reduction). Quantising inside the experts' kernels did the same work once per program that reads
-a row (12 for gate/up, 32 for down): 0.245 ms at 32 tokens against 0.191 with the weights converted to fp16
-(0.256 in bf16; bench/results/moe-1xh200-sorted.json).
-The grid depends only on the token count, so a captured graph replays it for any routing.
-"""
+A decode step's cost is reading the touched experts' weights, so each program takes one expert, up to BLOCK_M of
+its rows and BLOCK_N output channels, and streams that slice once: gate_up finds its rows among the routed ids
+itself (no sort, no host sync) and stores silu(gate) * up; down scales by the routing weight; combine sums a
+token's k rows in float32 with the residual, one rounding. The grid depends only on the token count, so a graph
+replays it for any routing. fp8 weights are dequantised in the kernel, or with fp8 activations (quantised once
+per projection by `quantize_groups`, not per program) multiplied as e4m3 on the tensor cores."""
 
 import contextlib
 import os
@@ -33,13 +15,11 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU installs without triton: the grouped GEMM and the loop remain
+except ImportError:  # CPU installs: the grouped GEMM and the loop remain
     triton = None
 
 SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
-# Steps of up to this many tokens run these kernels with `moe: triton`; longer ones (prefill) the grouped GEMM,
-# which catches up once every expert has many rows.
-MAX_TOKENS = 64
+MAX_TOKENS = 64  # longer steps take the grouped GEMM, which catches up once every expert has many rows
 COMBINE_BLOCK = 128  # hidden columns per combining program
 
 
@@ -47,9 +27,7 @@ if triton is not None:
 
     @triton.jit
     def _expert_rows(ids_ptr, e, block, R, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-        """The routed rows (token * k + slot) that chose expert `e`: the `block`-th BLOCK_M of them in row
-        order, their mask, and whether there are any. Every program finds its own from the step's ids (a
-        few hundred of them), so no sort runs before the kernels."""
+        """The `block`-th BLOCK_M routed rows (token * k + slot) that chose expert `e`, their mask, and whether any."""
         offs_r = tl.arange(0, R_PAD)
         hit = (tl.load(ids_ptr + offs_r, mask=offs_r < R, other=-1) == e).to(tl.int32)
         rank = tl.cumsum(hit, 0) - 1 + (1 - hit) * R_PAD  # a row's place among the expert's; others out of range
@@ -61,10 +39,7 @@ if triton is not None:
     @triton.jit
     def _program_rows(ids_ptr, R, R_PAD: tl.constexpr, M_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
                       COMPACT: tl.constexpr):
-        """This program's expert, its rows, their mask and whether it has any, found in the step's ids
-        (`_expert_rows`). COMPACT (fewer routed rows than experts): one program per routed row rather than per
-        expert, taking the row's expert if no earlier row chose it (and every row that did), so no program is
-        started for an unchosen expert."""
+        """This program's expert and rows; COMPACT: a program per routed row, its expert unless an earlier row's."""
         if COMPACT:
             first = tl.program_id(0) // M_BLOCKS
             e = tl.load(ids_ptr + first)
@@ -79,25 +54,21 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows(a, GRID_ROUND: tl.constexpr):
-        """A [rows, 128] tile of activations in e4m3, one scale per row (a zero row keeps a tiny one):
-        the same numbers as fp8.quantize_groups gives for those 128 channels. The GPU's conversion rounds
-        to nearest even; Triton's CPU interpreter (the tests) does not where rounding carries into the next
-        binade, so there (GRID_ROUND) each value is first rounded onto e4m3's grid in float32 and the
-        conversion only has exact values left to convert."""
+        """A [rows, 128] tile in e4m3 with a scale per row, as fp8.quantize_groups. GRID_ROUND: Triton's interpreter
+        rounds wrongly across binades, so values are first rounded onto e4m3's grid in float32."""
         a = a.to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
         v = a / scale[:, None]
         if GRID_ROUND:
             binade = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0)  # subnormals below 2^-6
             step = tl.exp2(binade - 3.0)  # three mantissa bits
-            v = (v / step + 12582912.0 - 12582912.0) * step  # 1.5 * 2^23: float32 addition rounds to an integer, ties to even
+            v = (v / step + 12582912.0 - 12582912.0) * step  # 1.5 * 2^23: rounds to an integer, ties to even
         return v.to(tl.float8e4nv), scale
 
     @triton.jit
     def _quantize_kernel(x_ptr, q_ptr, s_ptr, R, stride_x, GROUPS: tl.constexpr, GRID_ROUND: tl.constexpr,
                          BLOCK_R: tl.constexpr):
-        """BLOCK_R rows' 128 channels of `group` (program 1) in e4m3 with their scales: x [R, GROUPS * 128] ->
-        q (same shape, e4m3), s [R, GROUPS] float32, once per step for every program that multiplies them."""
+        """x [R, GROUPS * 128] -> q (e4m3, same shape), s [R, GROUPS] float32; BLOCK_R rows of a group a program."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         offs = tl.program_id(1) * 128 + tl.arange(0, 128)
         mask = rows[:, None] < R
@@ -107,8 +78,7 @@ if triton is not None:
 
     @triton.jit
     def _activations(v, DOT: tl.constexpr):
-        """Activations in the dots' type; into fp16 saturated at its largest finite value, where a bf16 value past
-        it would become inf (and the token's output NaN)."""
+        """Activations in the dots' type, saturated for fp16: a bf16 value past its range would become inf."""
         if DOT == tl.float16:
             v = tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0)
         return v.to(DOT)
@@ -131,7 +101,7 @@ if triton is not None:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, H, BLOCK_K):
-                if A8:  # fp8 x fp8 on the tensor cores: x in e4m3 already (quantize_groups), a scale per 128 channels
+                if A8:  # e4m3 x e4m3: x quantised already, a scale per 128 channels
                     a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
                     s_a = tl.load(xs_ptr + tok * stride_xs + kk // 128, mask=m_mask, other=0.0)
                     pg = tl.dot(a, tl.trans(tl.load(g_ptrs)), out_dtype=tl.float32) * s_a[:, None]
@@ -199,12 +169,10 @@ if triton is not None:
             tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=m_mask[:, None])
 
-
     @triton.jit
     def _combine_kernel(y_ptr, res_ptr, out_ptr, H: tl.constexpr, K_ROUTED: tl.constexpr, HAS_RES: tl.constexpr,
                         BLOCK_H: tl.constexpr):
-        """A token's k weighted rows summed in float32, plus the residual stream when HAS_RES, stored in the
-        output's dtype: one kernel where there were three (sum, cast, residual add)."""
+        """A token's k weighted rows summed in float32, plus the residual (HAS_RES): one kernel, not three."""
         t = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -215,42 +183,27 @@ if triton is not None:
         tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty))
 
 
-# Tile shapes by token count. Measured on an H200 (bench/moe.py --tiles, bench/results/moe-1xh200-tiles.json):
-# at 1 and 32 tokens the best eight bf16 shapes lie within 3% of each other, so one narrow shape serves decode.
-# fp8 reads half the bytes per tile with the same shapes; wider K tiles for it are not measured yet.
-# A shape may carry `down`: the down projection's own BLOCK_N, num_warps and num_stages (its reduction is the
-# intermediate size, 768 in the thinker, where gate/up's is the hidden size, 2,048); BLOCK_M and BLOCK_K are
-# shared, as both kernels take the same programs' rows and the same 128-channel activation scales.
+# A tile shape may carry `down`, the down kernel's own DOWN_KEYS (it reduces over the intermediate size); BLOCK_M
+# and BLOCK_K are shared: both kernels take the same rows and 128-channel activation scales.
 DOWN_KEYS = ("BLOCK_N", "num_warps", "num_stages")
 
 
 def _tiles(tokens: int, fp8: bool = False, a8: bool = False, intermediate: int = 0) -> dict:
-    """The decode kernels' tile shape for a step of `tokens` tokens; `fp8`: fp8 weights, `a8`: e4m3 activations too
-    (their K tile must stay 128, the activations' scale groups); `intermediate`: the experts' intermediate size."""
+    """The tile shape for `tokens` tokens (docs/decisions.md); `a8` keeps K at 128, the activations' scale groups."""
     if tokens <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    if a8 and tokens <= 64:  # bench/results/moe-1xh200-fp8a8-tiles-f29cb53.json: 0.161 ms a layer at 32, 0.192 with the next
+    if a8 and tokens <= 64:
         return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
-    if not fp8 and tokens <= 32 and intermediate >= 768:
-        # bf16 experts as wide as the thinker's (768): N tiles of 128 in three stages. At 32 tokens the layer's experts
-        # take 0.272 ms against 0.280 (the shape below; bench/results/moe-1xh200-bf16-wide-tiles-0698f37.json: no shape
-        # with K tiles of 256 among its six fastest), the thinker's decode at 32 runs 2,036 and 2,039 tok/s against
-        # 1,992 (thinker-1xh200-bf16-b32-*-0698f37.json). The talker's experts (384 wide, 3 such N tiles) keep the
-        # shape below: not measured with it.
+    if not fp8 and tokens <= 32 and intermediate >= 768:  # experts as wide as the thinker's; the talker's keep the next
         return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
     return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
-# The dtype fp8 weights (and the activations beside them) are converted to for the tensor cores: "float16"
-# (Hopper converts e4m3 to fp16 in one instruction, to bf16 only by way of another type; activations past fp16's
-# 65,504 are saturated there, not made inf) or "bfloat16". bench/results/moe-1xh200-sorted.json: one layer at
-# 1 / 32 tokens 0.033 / 0.191 ms in fp16 against 0.053 / 0.226 in bf16 (bf16 weights: 0.034 / 0.256), equal
-# outputs (4.5% from bf16 grouped, both: the fp8 weights' rounding).
+# fp8 weights meet the tensor cores as fp16: Hopper converts e4m3 to fp16 in one instruction, to bf16 in two
 FP8_DOT = "float16"
 
 
 def _interpreted() -> bool:
-    """Whether the kernels run in Triton's CPU interpreter (the tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -263,11 +216,7 @@ def _dot_type(scale: int):
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
             block: int | None = None, residual: torch.Tensor | None = None, fp8_activations: bool = False) -> torch.Tensor:
-    """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] (bf16, or fp8 with `*_scale`:
-    [E, N] per channel, or [E, N/128, K/128] per tile when `block` is 128) -> [T, H] in x's dtype, plus
-    `residual` [T, H] when given (added in float32 before the one rounding). With fp8 weights and
-    `fp8_activations`, both projections' inputs are quantised to e4m3 per row and 128 channels inside the
-    kernels and the products run on fp8 tensor cores (no weight converted to bf16)."""
+    """x [T, H]; ids, weights [T, k]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H]; fp8 scales [E, N] or per tile."""
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, k = ids.shape
@@ -281,15 +230,11 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     down_tiles = cfg.pop("down", {})
     if fp8_activations and cfg["BLOCK_K"] != 128:
         raise ValueError(f"fp8 activations are scaled per 128 channels: the kernels' K tile is {cfg['BLOCK_K']}")
-    # bf16 tensor-core dots on the GPU; float32 in Triton's CPU interpreter (the tests), whose bf16 dot is wrong;
-    # fp8 weights converted to fp16 instead with FP8_DOT
-    dot = _dot_type(scale)
+    dot = _dot_type(scale)  # float32 in Triton's interpreter, whose bf16 dot is wrong
     a8 = int(fp8_activations)
     flat_ids = ids.reshape(-1).contiguous()
-    m_blocks = triton.cdiv(t, cfg["BLOCK_M"])  # an expert holds at most one row per token (top-k ids are distinct)
-    # Fewer routed rows than experts (a batch of one: 8 of 128): programs per routed row, not per expert, so the
-    # unchosen experts' programs are never started (each would still take its turn on an SM to find no rows).
-    compact = t * k < n_exp
+    m_blocks = triton.cdiv(t, cfg["BLOCK_M"])  # at most one row per token an expert (top-k ids are distinct)
+    compact = t * k < n_exp  # a program per routed row: no program for an unchosen expert
     common = dict(SCALE=scale, DOT=dot, A8=a8, R_PAD=triton.next_power_of_2(t * k), M_BLOCKS=m_blocks, COMPACT=compact,
                   **cfg)
     programs = (t * k if compact else n_exp) * m_blocks
@@ -316,8 +261,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _launch(x, flat_ids, weights, gate_up, down, gate_up_scale, down_scale, residual, t: int, programs: int,
             common: dict, down_tiles: dict | None = None) -> torch.Tensor:
-    """The gate/up, down and combining kernels of `experts` over `programs` row blocks; the down kernel with
-    `down_tiles` (DOWN_KEYS) in place of those of `common`."""
+    """`experts`' three kernels over `programs` row blocks, the down kernel with `down_tiles` over `common`."""
     k = flat_ids.numel() // t
     n_exp, two_i, h = gate_up.shape
     i, bk = two_i // 2, common["BLOCK_K"]
@@ -328,15 +272,14 @@ def _launch(x, flat_ids, weights, gate_up, down, gate_up_scale, down_scale, resi
     if h % bk or i % bk or i % bn or h % dn or h % COMBINE_BLOCK:
         raise ValueError(f"hidden {h} and intermediate {i} must be multiples of the tiles ({bn}, {dn}, {bk})")
     x, r = x.contiguous(), t * k
-    act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up of every routed row
-    y = torch.empty(r, h, device=x.device, dtype=torch.float32)  # every routed row's output, weighted
+    act = torch.empty(r, i, device=x.device, dtype=x.dtype)  # silu(gate) * up, [R, I]
+    y = torch.empty(r, h, device=x.device, dtype=torch.float32)  # weighted outputs, [R, H]
     su = gate_up_scale if gate_up_scale is not None else act  # unread when SCALE_NONE
     sd = down_scale if down_scale is not None else act
     su_n = su.stride(1) if su.dim() == 3 else 0
     sd_n = sd.stride(1) if sd.dim() == 3 else 0
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current device
-        # A8: each projection's input in e4m3 with its scales, quantised once for all the programs that read it
-        a, a_scale = quantize_groups(x) if common["A8"] else (x, act)  # (act: unread)
+        a, a_scale = quantize_groups(x) if common["A8"] else (x, act)  # act: unread
         _gate_up_kernel[(programs, i // bn)](
             a, a_scale, gate_up, su, flat_ids, act, r, h, i, k, a.stride(0), a_scale.stride(0), gate_up.stride(0),
             gate_up.stride(1), su.stride(0), su_n, act.stride(0), **common)

@@ -1,6 +1,5 @@
-"""The router of a decode step as two Triton kernels (`layers.route`'s five torch ops: logits, softmax, top-k,
-renormalisation, cast): the logits in slices of the hidden size, then per token their sum, softmax and top-k by
-repeated arg-max (bench/results/moe-1xh200-route-3875759.json)."""
+"""A decode step's router as two Triton kernels in place of moe.route's five ops: logits in slices of the hidden
+size, then per token their sum, softmax and top-k by repeated arg-max."""
 
 import contextlib
 
@@ -19,16 +18,14 @@ if triton is not None:
     @triton.jit
     def _route_logits_kernel(x_ptr, w_ptr, part_ptr, T, stride_x, H: tl.constexpr, E: tl.constexpr,
                              DOT: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr):
-        """Partial router logits: BLOCK_T tokens against every expert over one SPLIT-wide slice of the hidden
-        size, into part [T, H / SPLIT, E] in float32. A slice per program spreads the router's weights (E x H)
-        over H / SPLIT programs, where one program per token read all of them alone."""
+        """Partial logits [T, H / SPLIT, E] float32: a slice per program spreads the router's weights over many."""
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         split = tl.program_id(1)
         offs_h = split * SPLIT + tl.arange(0, SPLIT)
         offs_e = tl.arange(0, E)
         xv = tl.load(x_ptr + offs_t[:, None] * stride_x + offs_h[None, :], mask=offs_t[:, None] < T, other=0.0)
         wv = tl.load(w_ptr + offs_e[None, :] * H + offs_h[:, None])  # [SPLIT, E]
-        if DOT == tl.float32:  # float32 models (and the interpreter): full-precision products, not tf32's
+        if DOT == tl.float32:  # full precision, not tf32
             acc = tl.dot(xv.to(DOT), wv.to(DOT), input_precision="ieee", out_dtype=tl.float32)
         else:
             acc = tl.dot(xv.to(DOT), wv.to(DOT), out_dtype=tl.float32)
@@ -39,9 +36,7 @@ if triton is not None:
     def _route_top_kernel(part_ptr, ids_ptr, weights_ptr, ROUND_TYPE: tl.constexpr, E: tl.constexpr,
                           SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                           NORM: tl.constexpr):
-        """One token's logits from its partial sums (rounded to the activations' dtype, as F.linear gives them),
-        softmax in float32, the top-k experts by repeated arg-max (lowest id first on ties) and their weights,
-        renormalised when NORM."""
+        """A token's logits (rounded as F.linear would), softmax, top-k by repeated arg-max (lowest id on ties)."""
         t = tl.program_id(0)
         offs_e = tl.arange(0, E)
         offs_s = tl.arange(0, SPLITS_PAD)
@@ -50,7 +45,7 @@ if triton is not None:
         logits = tl.sum(part, axis=0).to(ROUND_TYPE).to(tl.float32)
         p = tl.exp(logits - tl.max(logits, 0))
         p = p / tl.sum(p, 0)
-        offs_k = tl.arange(0, K_PAD)  # top-k slots, padded to a power of two
+        offs_k = tl.arange(0, K_PAD)
         top_w = tl.zeros((K_PAD,), dtype=tl.float32)
         top_i = tl.zeros((K_PAD,), dtype=tl.int32)
         for j in tl.static_range(TOP_K):
@@ -66,9 +61,7 @@ if triton is not None:
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`layers.route` in two kernels: x [T, H], gate_w [E, H] -> ids [T, k] (int64), weights [T, k] in x's
-    dtype. The logits in slices of the hidden size, then per token their sum, softmax and top-k. E must be a
-    power of two (at least 16: a tensor-core tile's columns) and H a multiple of ROUTE_BLOCK."""
+    """x [T, H], gate_w [E, H] -> ids [T, k] int64, weights [T, k]; E a power of two of at least 16 (a tile's width)."""
     if triton is None:
         raise RuntimeError("the triton experts backend needs triton (GPU installs have it)")
     t, h = x.shape
