@@ -1,22 +1,9 @@
-"""code2wav's decoder run natively: the same arithmetic as transformers' Qwen3OmniMoeCode2Wav, rounded less often.
+"""code2wav's decoder run natively: transformers' Qwen3OmniMoeCode2Wav's arithmetic, rounded less often.
 
-The decoder's convolutions are the arithmetic; in transformers' module the time goes around them: each SnakeBeta is
-five passes over the whole signal, each convolution's bias one more, each causal pad a copy, cuDNN converts every
-convolution's input and output between channel layouts, and one convolution (dilation 9 at 384 channels) gets a
-slow fallback kernel.
-
-The native decoder keeps the signal channels-last ([B, T, C]), which cuDNN's tensor-core kernels and cuBLAS read
-as they are, and runs each stretch between two convolutions as one pass (`snake_rows`): the bias, the residual,
-SnakeBeta, written straight into the next convolution's zero-padded input. A dilated convolution runs as an
-undilated one over the signal folded by its dilation (a view, no copy): out[t] reads x[t + k*d], which in
-[T/d, d] is row h + k of column w. The pointwise convolutions are GEMMs with their bias in cuBLAS's epilogue.
-The pre-transformer and the upsampling blocks before the decoder (at 2 to 4 times the frame rate) stay
-transformers'.
-
-A streaming chunk's waveform is kept only after its left context, and the decoder is causal: the first kept sample
-depends on the decoder's inputs at most a few rows before it. So the decoder starts where the kept samples need it
-to (`first_row`), not at the chunk's first frame, the kept samples the same.
-"""
+In transformers' module the time goes around the convolutions (SnakeBeta's passes, biases, pads, layout changes).
+Here the signal stays channels-last [B, T, C] and each stretch between two convolutions is one pass (`snake_rows`)
+written into the next convolution's padded input. A dilated convolution runs undilated over the signal folded
+[T/d, d] (a view). The decoder is causal, so a chunk starts where its kept samples need it (`first_row`)."""
 
 import math
 import os
@@ -28,7 +15,7 @@ from torch import nn
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU installs without triton: snake_rows' torch path
+except ImportError:  # CPU installs: snake_rows' torch path
     triton = None
 
 
@@ -45,7 +32,7 @@ if triton is not None:
         cm = c < C
         if HAS_BIAS:
             y += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        rows = (b * T + t) * C + c  # the residual and y: contiguous [B, T, C]
+        rows = (b * T + t) * C + c  # residual and y are contiguous [B, T, C]
         if HAS_RES:
             y += tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)
         if KEEP:
@@ -57,10 +44,7 @@ if triton is not None:
 
 def snake_rows(a: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, z: torch.Tensor, bias=None, residual=None,
                y=None) -> None:
-    """One pass over a channels-last signal a [B, T, C] (rows of contiguous channels, any batch and row strides):
-    y = a + bias + residual (each optional; kept in `y` if given, [B, T, C] contiguous), then SnakeBeta
-    z = y + inv_beta * sin(alpha * y)^2 written into z [B, T, C] (contiguous channels and rows, any batch stride:
-    the inside of the next convolution's padded input). Float32 inside, one rounding per output."""
+    """y = a + bias + residual (kept in `y`), z = y + inv_beta * sin(alpha * y)^2 over [B, T, C], in one pass."""
     B, T, C = a.shape
     if a.is_cuda and triton is not None or os.environ.get("TRITON_INTERPRET") == "1":
         assert a.stride(2) == 1 and z.stride(2) == 1 and z.stride(1) == C and z.shape == a.shape
@@ -84,7 +68,7 @@ def snake_rows(a: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, z: 
 
 
 class _Snake:
-    """A SnakeBeta's parameters as the kernel reads them: alpha and 1 / (beta + eps), float32 [C]."""
+    """A SnakeBeta's alpha and 1 / (beta + eps), float32 [C]."""
 
     def __init__(self, m: nn.Module):
         self.alpha = m.alpha.detach().float().exp()
@@ -92,9 +76,7 @@ class _Snake:
 
 
 class _Conv:
-    """A causal convolution (Qwen3OmniMoeCausalConvNet, stride 1) over a channels-last signal: its input is made
-    with `lead` zero rows before the signal and `trail` after (padded to whole folds of the dilation), its
-    weight as a 2-D kernel of (K, 1) over the signal folded [T / d, d], channels-last."""
+    """A causal convolution over a channels-last signal folded [T / d, d]: `lead` zero rows before, `trail` after."""
 
     def __init__(self, m: nn.Module):
         conv = m.conv
@@ -112,15 +94,14 @@ class _Conv:
         return -t % self.d
 
     def input(self, B: int, T: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The zero-padded input buffer [B, lead + T + trail, C] and its inside [B, T, C] to write the signal to."""
+        """The zero-padded input [B, lead + T + trail, C] and its inside [B, T, C]."""
         buf = torch.empty(B, self.lead + T + self.trail(T), self.c_in, dtype=like.dtype, device=like.device)
         buf[:, :self.lead].zero_()
         buf[:, self.lead + T:].zero_()
         return buf, buf[:, self.lead:self.lead + T]
 
     def __call__(self, buf: torch.Tensor, T: int, with_bias: bool = False) -> torch.Tensor:
-        """The convolution of the padded input `buf` (from `input`): [B, T, Cout], without its bias unless asked
-        (a view whose rows are contiguous)."""
+        """The convolution of `buf` (from `input`) -> [B, T, Cout], bias only if asked."""
         B = buf.shape[0]
         if self.pointwise:
             return F.linear(buf, self.weight, self.bias if with_bias else None)
@@ -130,8 +111,7 @@ class _Conv:
 
 
 class _Upsample:
-    """A causal transposed convolution (Qwen3OmniMoeCausalTransConvNet: kernel 2r, stride r, r outputs trimmed
-    from each end) over a channels-last signal, without its bias: [B, T, Cin] -> [B, (T - 1) * r, Cout], a view."""
+    """A causal transposed convolution, no bias: [B, T, Cin] -> [B, (T - 1) * r, Cout]."""
 
     def __init__(self, m: nn.Module):
         conv = m.conv
@@ -149,10 +129,7 @@ class _Upsample:
 
 
 class NativeCode2Wav(nn.Module):
-    """transformers' Qwen3OmniMoeCode2Wav with its decoder run channels-last (the module's docstring): the same
-    call, codes [B, groups, frames] -> waveforms [B, 1, samples] as the module makes them. The decoder's weights
-    are read when it is made, its convolutions' copied into the layouts it reads (the pre-transformer's and the
-    upsampling blocks' stay the module's own)."""
+    """transformers' module with the decoder run natively: codes [B, groups, frames] -> waveforms [B, 1, samples]."""
 
     def __init__(self, code2wav: nn.Module):
         super().__init__()
@@ -166,20 +143,17 @@ class NativeCode2Wav(nn.Module):
             self.blocks.append((_Snake(snake), _Upsample(up),
                                 [(_Snake(u.act1), _Conv(u.conv1), _Snake(u.act2), _Conv(u.conv2)) for u in units]))
         self.last_snake, self.last = _Snake(dec[-2]), _Conv(dec[-1])
-        self.row_samples = math.prod(up.r for _, up, _ in self.blocks)  # each decoder row (its input) becomes these
+        self.row_samples = math.prod(up.r for _, up, _ in self.blocks)  # samples per decoder input row
 
     def first_row(self, skip: int) -> int:
-        """The first decoder row the waveform from sample `skip` on depends on (forward's `start`), followed back
-        through the decoder: each causal convolution reads `lead` samples before its output, an upsampler's output
-        sample s reads its input samples s // r and the next."""
+        """The first decoder row sample `skip` depends on: each convolution reads `lead` back, an upsampler s // r."""
         e = skip - self.last.lead
         for _, up, units in reversed(self.blocks):
             e = (e - sum(conv1.lead for _, conv1, _, _ in units)) // up.r
         return max(0, e - self.first.lead)
 
     def decoder_input(self, codes: torch.Tensor) -> torch.Tensor:
-        """The decoder's input [B, C, rows] as transformers' module makes it: codes embedded, the pre-transformer,
-        the upsampling blocks."""
+        """The decoder's input [B, C, rows], by transformers' module."""
         m = self.inner
         if codes.shape[1] != m.config.num_quantizers:
             raise ValueError(f"Expected {m.config.num_quantizers} layer of codes, got {codes.shape[1]}")
@@ -192,22 +166,20 @@ class NativeCode2Wav(nn.Module):
 
     @torch.no_grad()
     def forward(self, codes: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """The waveforms from sample start * row_samples on (those from first_row(skip) on are the module's from
-        that sample: earlier ones may differ, the decoder's causal convolutions reading zeros before `start`)."""
-        x = self.decoder_input(codes).transpose(1, 2)[:, start:]  # [B, T, C]: the first convolution's input
+        """Waveforms from sample start * row_samples; those from first_row(skip) on are the module's."""
+        x = self.decoder_input(codes).transpose(1, 2)[:, start:]  # [B, T, C]
         B, T, _ = x.shape
         buf, inside = self.first.input(B, T, x)
         inside.copy_(x)
-        # Between two convolutions, the signal is `a` (a convolution's output) plus `bias` plus `residual` (either
-        # may be None), summed by the next snake_rows pass.
+        # Between convolutions the signal is a + bias + residual, summed by the next snake_rows
         a, bias, residual = self.first(buf, T), self.first.bias, None
         for snake, up, units in self.blocks:
             z = torch.empty(B, T, a.shape[2], dtype=a.dtype, device=a.device)
-            snake_rows(a, snake.alpha, snake.inv_beta, z, bias=bias, residual=residual)  # the block's first SnakeBeta
+            snake_rows(a, snake.alpha, snake.inv_beta, z, bias=bias, residual=residual)
             a, bias, residual = up(z), up.bias, None
-            T = a.shape[1]  # (T - 1) * r: the trim takes r from either end
+            T = a.shape[1]
             for act1, conv1, act2, conv2 in units:
-                x = torch.empty(B, T, up.c_out, dtype=a.dtype, device=a.device)  # the unit's input: its residual
+                x = torch.empty(B, T, up.c_out, dtype=a.dtype, device=a.device)  # the unit's input, its residual
                 buf, inside = conv1.input(B, T, a)
                 snake_rows(a, act1.alpha, act1.inv_beta, inside, bias=bias, residual=residual, y=x)
                 h = conv1(buf, T)

@@ -1,9 +1,7 @@
-"""The talker's frame steps as CUDA graphs (services/llm/decode.py), and the host's part of each replay.
+"""The talker's frame steps as CUDA graphs, and the host's part of each replay.
 
-A frame step takes one input row per request (its last frame's code embeddings and the text that frame adds) at
-positions equal on the three M-RoPE rows, and gives the talker's states and codec logits, and, where every row's
-settings allow it, the next frames' first codes drawn inside the graph.
-"""
+A frame step takes one input row per request, at positions equal on the three M-RoPE rows, and gives the talker's
+states, codec logits and, where every row's settings allow it, the next first codes drawn inside the graph."""
 
 import torch
 
@@ -16,9 +14,7 @@ from services.talker.predictor import GREEDY
 
 def draw_first(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor, suppress: torch.Tensor,
                no_eos: torch.Tensor, eos: torch.Tensor, temps, top_k, top_p, seeds, counters) -> torch.Tensor:
-    """The engine's `_sample_first` with every per-row setting a tensor, for a graph: the repetition penalty where
-    `seen` [B, V] (1.0: none), the suppressed codes [V] and the end code [V] where `no_eos` [B], then sample_tensors
-    over the best CANDIDATES. A row gets the code `_sample_first` gives it (the engine's _first_drawable rows)."""
+    """The engine's `_sample_first` with every setting a tensor, for a graph (the rows `_first_drawable` allows)."""
     x = logits.float()
     pen = penalty[:, None]
     x = torch.where(seen, torch.where(x < 0, x * pen, x / pen), x)
@@ -27,14 +23,13 @@ def draw_first(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor, 
 
 
 class FrameGraphs:
-    """For each batch size up to `max_batch`: the rows of `x` in; the talker's states, codec logits and first codes
-    out. `seen` is the mask of codes drawn its draws read (the engine's, as it was at capture)."""
+    """Per batch size: rows of `x` in; states, codec logits and first codes out (`seen`: the engine's at capture)."""
 
     def __init__(self, engine, max_batch: int):
         device, talker, moe = engine.device, engine.talker, engine.moe
         self.device = device
         self.x = torch.zeros(max_batch, engine.text_config.hidden_size, dtype=engine.dtype, device=device)
-        self.seen = engine.seen  # a step draws in the graphs only while this is still the engine's mask
+        self.seen = engine.seen
         vocab = talker.codec_head.out_features
         suppress = torch.zeros(vocab, dtype=torch.bool, device=device)
         suppress[engine.suppress] = True
@@ -42,8 +37,6 @@ class FrameGraphs:
         eos[engine.codec_eos] = True
 
         def body(b: int, inputs, attention):
-            # positions; the first codes' draw: per row its slot in `seen` (padding: the spare last row), top-k, seed,
-            # counter, whether the end code is banned; temperature, top-p, repetition penalty
             (pos, slots, top_k, seeds, counters, no_eos), (temps, top_p, pen) = inputs.ints, inputs.floats
             with step_context(attention, moe):
                 hidden = talker.model(self.x[:b], pos.float().expand(3, -1))
@@ -51,7 +44,7 @@ class FrameGraphs:
             return hidden, logits, draw_first(logits, self.seen[slots], pen, suppress, no_eos, eos, temps, top_k, top_p,
                                               seeds, counters)
 
-        def init(ints, floats):  # what rows not drawn in the graph read until a step fills them
+        def init(ints, floats):  # padding reads the spare row of `seen`
             ints[1], floats[:] = len(self.seen) - 1, 1.0
 
         self.graphs = DecodeGraphs(engine, max_batch, 6, 3, body, init)
@@ -68,10 +61,7 @@ class FrameGraphs:
         self.graphs.forget()
 
     def replay(self, work: list, x: torch.Tensor, draw: list | None, laps: Laps) -> tuple:
-        """The graph for `work` (scheduler Work rows, one pending input each; `x` [n, D] their inputs), replayed.
-        `draw`: each row's (request, slot in `seen`) where the graph's draw stands for every row's, else None.
-        Returns the states [n, D] and logits [n, V], and with `draw`, the first codes drawn [n] and the rows' slots
-        on the device; valid until the next replay."""
+        """Replays `work` on `x` [n, D] -> states, logits and, with `draw`, (first codes, slots) until the next replay."""
         n = len(work)
         b = self.graphs.size_for(n)
         self.x[:n] = x
@@ -79,13 +69,12 @@ class FrameGraphs:
         ints[0] = [w.start + w.seq.owner.rope_delta for w in work] + [0] * (b - n)
         if draw:
             pad = [0] * (b - n)
-            params = [s.params for s, _ in draw] + [GREEDY] * (b - n)  # padding rows: greedy, on the spare row of `seen`
+            params = [s.params for s, _ in draw] + [GREEDY] * (b - n)
             ints[1:] = ([slot for _, slot in draw] + [len(self.seen) - 1] * (b - n), [p.top_k for p in params],
                         [p.seed & (2**63 - 1) for p in params], [len(s.frames) + s.frames_unread for s, _ in draw] + pad,
                         [int(p.ignore_eos) for p in params])
             floats[:] = [p.temperature for p in params], [p.top_p for p in params], [p.repetition_penalty for p in params]
         laps.lap("inputs")
-        # The last replay's requests one input on (nothing else run between): its page table advanced, not rebuilt
         self.graphs.send(b, work, self.graphs.steady(b, work))
         laps.lap("plan")
         hidden, logits, code0 = self.graphs.replay(b)

@@ -1,9 +1,8 @@
-"""The native talker engine: the engine core (services/llm/engine.py) with the talker's inputs (prompts from the
-thinker's states, each frame's code embeddings and the text it adds), its frame graphs (services/talker/decode.py),
-and its outputs. A step runs one talker forward over every scheduled request, draws every first code at once on
-the device, and runs the code predictor for all those frames straight after (its 15 steps once for the whole
-batch); the step's codes are read after the next step is launched (overlap), then turned into speech in chunks
-(services/talker/speech.py). Same requests and outputs as the reference engine."""
+"""The native talker engine: the engine core with the talker's inputs (prompts from the thinker's states, each
+frame's code embeddings and text), its frame graphs, and its outputs.
+
+A step runs one talker forward over every request, draws the first codes on the device and runs the code
+predictor for the whole batch straight after; its codes are read once the next step is launched (overlap)."""
 
 import itertools
 import time
@@ -26,25 +25,24 @@ from services.talker.predictor import PredictorFrames
 from services.talker.seq import TalkerSeq, TalkerStep
 from services.talker.speech import SpeechEngine
 
-PLACEHOLDER = -1  # a talker token (first code) not read back from the device: its value is never needed there
+PLACEHOLDER = -1  # a first code not read back: the host never needs its value
 
 
 @dataclass(eq=False)
 class TalkerState(SeqState):
     """Every input the talker took for the request, so a preempted request can be recomputed."""
-    # Per forward: its rows [n, D] and positions [3, n] (the prompt's), or (a step's inputs [B, D], row) and (its
-    # positions [3, B], column) for a frame's one row: kept as the step's tensors and an index, not sliced out
-    # every step for every request, and taken out only where read.
+    # Per forward: rows [n, D] and positions [3, n], or for a frame (step inputs [B, D], row) and (positions, column):
+    # an index into the step's tensors rather than a slice made every step
     inputs: list = field(default_factory=list)
     positions: list = field(default_factory=list)
-    prompt_len: int = 0  # rows before the first frame's (their positions may differ across the three M-RoPE rows)
-    slot: int = 0  # the request's row of the engine's `seen` codes
-    drawn: int = 0  # rows after which a frame was drawn: a recompute (after preemption) reaching them draws none
+    prompt_len: int = 0  # rows before the first frame's (their three M-RoPE rows may differ)
+    slot: int = 0  # the request's row of `seen`
+    drawn: int = 0  # rows after which a frame was drawn: a recompute reaching them draws none
 
     def rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, positions = _rows(self.inputs[-1]), _columns(self.positions[-1])
         base = len(self.tokens) - len(inputs)
-        if start < base:  # a chunk reaching into older inputs (a recompute): join them once
+        if start < base:  # a recompute reaching into older inputs: join them once
             inputs = torch.cat([_rows(x) for x in self.inputs])
             positions = torch.cat([_columns(p) for p in self.positions], dim=1)
             self.inputs, self.positions, base = [inputs], [positions], 0
@@ -61,15 +59,14 @@ def _columns(p) -> torch.Tensor:
 
 @dataclass(eq=False)
 class LaunchedFrames:
-    """A frame step launched: its requests in row order, their codes [B, G] (pinned host memory a copy lands in,
-    on a GPU), and the step's timeline marks (talker start, predictor start, end)."""
+    """A launched frame step: its requests, their codes [B, G] (pinned, on a GPU), marks (talker, predictor, end)."""
     seqs: list
     codes: torch.Tensor
     marks: tuple
 
 
 class NativeTalker(Engine, SpeechEngine):
-    KV_SHARE, KV_HEADROOM, KV_CPU_BYTES = 0.5, 0, 256 << 20  # the rest of the GPU is code2wav's and the activations'
+    KV_SHARE, KV_HEADROOM, KV_CPU_BYTES = 0.5, 0, 256 << 20  # the rest is code2wav's and the activations'
 
     def __init__(self, model: ModelConfig, cfg: TalkerConfig, device: str = "cpu"):
         device, dtype = torch.device(device), DTYPES[model.dtype]
@@ -77,31 +74,25 @@ class NativeTalker(Engine, SpeechEngine):
         text, cp = talker.config.text_config, talker.config.code_predictor_config
         Engine.__init__(self, talker.model, text, cfg, device, dtype)
         SpeechEngine.__init__(self, talker, model, cfg.chunks, device, dtype, native_code2wav=True)
-        # The code predictor's frame: one frame's 15 steps as fixed shapes (or one graph) for the whole batch.
         self.predictor = PredictorFrames(talker, cp, text.hidden_size, self.groups, cfg.max_seqs, dtype, device, self.moe,
                                          self.laps)
         self.states: dict[int, TalkerState] = {}
-        # First codes each request has drawn, as a mask on the device: the repetition penalty needs no history from
-        # the host, so a step can be sampled before the one before it is read. Its last row is no request's: a
-        # captured step's padding rows read it.
+        # Codes drawn as a device mask: no host history, so a step samples before the last is read; last row: padding
         self.seen = torch.zeros(max(cfg.max_seqs, 1) + 1, talker.codec_head.out_features, dtype=torch.bool, device=device)
         self.free_slots = list(range(len(self.seen) - 1))[::-1]
-        # What marks a code drawn, on the device: `True` assigned through the codes as an index would be copied
-        # from host memory first, waiting for the step the device is running.
-        self.drawn_mark = scalar(True, self.seen)
-        self.graph_draws = 0  # frame steps whose first codes were drawn in their graph
-        # This step's frame inputs as _queue_inputs stacked them, and the row of each request's (by id of its
-        # state): a captured step taking them takes that tensor, not each request's row joined again.
+        self.drawn_mark = scalar(True, self.seen)  # on the device: a Python True would block (host.scalar)
+        self.graph_draws = 0
+        # The step's stacked frame inputs and id(state) -> row, so a captured step takes the tensor as it is
         self.queued: tuple[torch.Tensor, dict[int, int]] | None = None
-        self.admitted: dict[int, TalkerSeq] = {}  # requests the step took in
-        self.decode: FrameGraphs | None = None  # the frame steps as CUDA graphs
+        self.admitted: dict[int, TalkerSeq] = {}
+        self.decode: FrameGraphs | None = None
         if device.type == "cuda" and cfg.cuda_graph_max_batch:  # the predictor and code2wav are dense: no experts
             max_batch = min(cfg.cuda_graph_max_batch, cfg.max_seqs)
             self.predictor.capture(ladder(max_batch))
             if self.graphable:
                 self.decode = FrameGraphs(self, max_batch)
             self.capture_code2wav(max_batch)
-        if device.type == "cuda":  # code2wav beside the frame loop, its waveforms read when they are there
+        if device.type == "cuda":  # code2wav beside the frame loop
             self.vocode_stream = torch.cuda.Stream(device)
 
     @property
@@ -111,7 +102,7 @@ class NativeTalker(Engine, SpeechEngine):
     # -- requests ------------------------------------------------------------------------------------
 
     def add(self, seq: TalkerSeq) -> None:
-        need = len(seq.prompt_ids) + 9 + seq.params.max_tokens  # at most: the prompt, the assistant prefix, a row per frame
+        need = len(seq.prompt_ids) + 9 + seq.params.max_tokens  # the prompt, the assistant prefix, a row a frame
         if need > self.capacity:
             raise ResourceExhausted(f"{seq.params.max_tokens} frames after a prompt of {len(seq.prompt_ids)} tokens is "
                                     f"more than the talker's KV cache holds ({self.capacity} positions)")
@@ -125,7 +116,7 @@ class NativeTalker(Engine, SpeechEngine):
                 or seq.frames_unread > 0)  # a step reads it
 
     def _input_known(self, seq: TalkerSeq) -> bool:
-        # The input after frame t adds the text of thinker position L + 1 + t (or tts_eos / tts_pad after it).
+        # The input after frame t adds the text of thinker position L + 1 + t (or tts_eos / tts_pad after it)
         return seq.text_done or seq.n_states > len(seq.prompt_ids) + len(seq.frames) + seq.frames_unread
 
     def free(self, seq: TalkerSeq) -> None:
@@ -141,13 +132,11 @@ class NativeTalker(Engine, SpeechEngine):
     def step(self, seqs: list[TalkerSeq]) -> list[tuple[TalkerSeq, TalkerStep]]:
         touched = {id(s): s for s in Engine.step(self, seqs)}
         touched.update(self.admitted)
-        # With nothing else queued (requests only waiting for their audio), wait for audio instead of polling.
-        audio = self.vocode(list(touched.values()), wait=not touched)
+        audio = self.vocode(list(touched.values()), wait=not touched)  # only audio left: wait rather than poll
         for seq, _ in audio.values():
             touched.setdefault(id(seq), seq)
         self.laps.lap("vocode")
-        # Only what a caller sees: audio, or the end. A step without either posts nothing to the request's RPC (at
-        # many requests a hundred steps a second would otherwise wake the server's event loop for nothing).
+        # Only audio or the end: anything else would wake the server's event loop for nothing
         return [(seq, TalkerStep(audio[id(seq)][1] if id(seq) in audio else [], finished=seq.done))
                 for seq in touched.values() if id(seq) in audio or seq.done]
 
@@ -167,14 +156,14 @@ class NativeTalker(Engine, SpeechEngine):
         return self.scheduler.schedule()
 
     def runs_ahead(self, work: list[Work]) -> bool:
-        return True  # a frame's next input stays on the device (its code embeddings): nothing waits for the codes
+        return True  # a frame's next input (its code embeddings) stays on the device
 
     def _admit(self, seq: TalkerSeq) -> None:
         if seq.n_states < len(seq.prompt_ids) + 1:  # the thinker ended before its first text token
             seq.done = True
             return
         inputs, positions = self.prompt_inputs(seq)
-        if not self.free_slots:  # more requests started than max_seqs: room for as many again
+        if not self.free_slots:  # more requests started than max_seqs
             n = len(self.seen)
             self.seen = torch.cat([self.seen, torch.zeros_like(self.seen)])
             self.free_slots = list(range(2 * n - 1, n - 1, -1))
@@ -186,8 +175,7 @@ class NativeTalker(Engine, SpeechEngine):
         self.scheduler.add(state)
 
     def _queue_inputs(self, seqs: list[TalkerSeq]) -> None:
-        """The talker's next input for each request: its last frame's code embeddings and the text that frame
-        adds, with their positions, built for all of them at once (a few launches whatever the batch)."""
+        """Each request's next input (last frame's code embeddings plus text) and positions, all at once."""
         states = [self.states[id(s)] for s in seqs]
         frames = [(s, len(s.frames) + s.frames_unread - 1) for s in seqs]  # the frame each input follows
         inputs = torch.stack([s.next_embed for s in seqs]) + self.trailing_rows(frames)
@@ -201,21 +189,17 @@ class NativeTalker(Engine, SpeechEngine):
         self.queued = inputs, {id(state): j for j, state in enumerate(states)}
 
     def launch(self, work: list[Work], ahead: bool) -> LaunchedFrames | None:
-        """One talker forward over `work`; requests that caught up get their next frame launched (first code, then
-        the code predictor), not read."""
+        """One talker forward over `work`; requests that caught up get their next frame launched, not read."""
         started, t0 = time.perf_counter(), mark(self.device)
-        # Rows that reach a request's last input and draw its next frame; not a recompute of rows drawn from before.
         caught_up = [i for i, w in enumerate(work) if w.start + w.n == len(w.seq.tokens) > w.seq.drawn]
         drawn = None
-        # Rows picked through pinned memory (an index from a host list is copied from pageable memory, which
-        # may wait for the frame step still running).
         if self._graphable(work):
             h, logits, drawn = self._graph_rows(work)
             if len(caught_up) < len(work):
                 rows = upload(caught_up, self.device, torch.long)
                 h, logits, drawn = h[rows], logits[rows], None
         else:
-            if self.decode is not None:  # a step outside the graphs: the next replay's plan is rebuilt
+            if self.decode is not None:
                 self.decode.forget()
             hidden = self._rows(work)
             last = list(itertools.accumulate(w.n for w in work))
@@ -224,7 +208,7 @@ class NativeTalker(Engine, SpeechEngine):
         self.scheduler.advance(work)
         for i in caught_up:
             work[i].seq.drawn = len(work[i].seq.tokens)
-        if caught_up:  # their first codes, sampled on the device, and their frames straight after
+        if caught_up:
             seqs = [work[i].seq.owner for i in caught_up]
             if drawn is not None:  # drawn in the graph: only marking them seen is left
                 code0, slots = drawn
@@ -234,36 +218,33 @@ class NativeTalker(Engine, SpeechEngine):
                 code0 = self._sample_first(seqs, logits)
             self.laps.lap("sample")
             return self._launch_frames(seqs, code0, h, t0)
-        share = (time.perf_counter() - started) / len(work)  # prompt rows only: nothing is read back, the host's time
+        share = (time.perf_counter() - started) / len(work)  # prompt rows: nothing read back, so host time
         for w in work:
             w.seq.owner.seconds["talker"] += share
         return None
 
     def _rows(self, work: list[Work]) -> torch.Tensor:
-        """The talker's hidden states for every row of the step: in pieces, or eagerly."""
+        """The talker's hidden states for every row of a step outside the frame graphs."""
         rows = [w.seq.rows(w.start, w.n) for w in work]
-        decode = all(w.n == 1 and w.start + 1 == len(w.seq.tokens) for w in work)  # each request's last input
+        decode = all(w.n == 1 and w.start + 1 == len(w.seq.tokens) for w in work)
         x = self._step_inputs(work) if decode else torch.cat([r[0] for r in rows])
         positions = torch.cat([r[1] for r in rows], dim=1)
         attention = self.attention.plan([SeqSlice(w.seq.blocks, w.start, w.n) for w in work])
         return self.forward(x, positions, attention, lambda: self.talker.model(x, positions))
 
     def _graphable(self, work: list[Work]) -> bool:
-        """Every request takes its one pending frame input (no prompt rows, whose positions may differ by axis)."""
+        """Every request takes its one pending frame input (prompt rows' positions may differ by axis)."""
         return (self.decode is not None and len(work) <= self.decode.max_batch
                 and all(w.n == 1 and w.start >= w.seq.prompt_len and w.start + 1 == len(w.seq.tokens) for w in work))
 
     def _graph_rows(self, work: list[Work]) -> tuple:
-        """Hidden states and codec logits of a decode step, replayed from its graph (and the first codes drawn in
-        it, where they stand for every row's, with the rows' slots in `seen` on the device): valid until the next
-        replay (the predictor copies the states before it)."""
+        """(states, codec logits, first codes and `seen` slots or None) from the graph, valid until the next replay."""
         seqs = [w.seq.owner for w in work]
         draw = [(s, self.states[id(s)].slot) for s in seqs] if self._first_drawable(seqs) else None
         return self.decode.replay(work, self._step_inputs(work), draw, self.laps)
 
     def _step_inputs(self, work: list[Work]) -> torch.Tensor:
-        """The inputs [n, D] of a captured step's rows (each its request's last input): this step's queued ones
-        as stacked, in their order or gathered into the work's; each request's row joined where one is older."""
+        """The inputs [n, D] of a step's rows: the queued stack as it is where possible."""
         inputs, row_of = self.queued or (None, {})
         rows = [row_of.get(id(w.seq), -1) for w in work]
         if -1 in rows:
@@ -275,9 +256,7 @@ class NativeTalker(Engine, SpeechEngine):
     # -- frames --------------------------------------------------------------------------------------
 
     def _sample_first(self, seqs: list[TalkerSeq], logits: torch.Tensor) -> torch.Tensor:
-        """First codes [B] of the next frames of `seqs`, drawn on the device: the repetition penalty over the
-        codes each request drew before (its row of `seen`, read or not), then `sample_batch` (suppressed ids,
-        the end code banned below min_tokens, seeded draws); each drawn code marked seen."""
+        """First codes [B] drawn on the device, the repetition penalty from `seen`; each drawn code marked seen."""
         slots = upload([self.states[id(s)].slot for s in seqs], self.device, torch.long)
         pens = [s.params.repetition_penalty for s in seqs]
         if any(p != 1.0 for p in pens):
@@ -291,23 +270,18 @@ class NativeTalker(Engine, SpeechEngine):
         return code0
 
     def _first_drawable(self, seqs: list[TalkerSeq]) -> bool:
-        """Whether the captured step's draw gives every row of `seqs` the first code `_sample_first` gives it:
-        greedy or a top-k below CANDIDATES, no stop ids banned for a minimum length, and the mask of codes drawn
-        still the one the graphs read (it is replaced when more requests start than it holds)."""
+        """Whether the graph's draw gives every row `_sample_first`'s code, and `seen` is still the graphs' tensor."""
         return self.seen is self.decode.seen and all(
             (s.params.temperature == 0 or 0 < s.params.top_k < CANDIDATES)
             and not (len(s.frames) + s.frames_unread < s.params.min_tokens and s.params.stop_token_ids) for s in seqs)
 
     def _launch_frames(self, seqs: list[TalkerSeq], code0: torch.Tensor, hidden: torch.Tensor, since) -> LaunchedFrames:
-        """The frames whose first codes `code0` [B] the talker's step just sampled (on the device, not yet read)
-        from its states `hidden` [B, D]: the code predictor queued straight after that step, its codes on their
-        way to host memory. Each request that may go on keeps its frame's summed code embeddings for its next
-        input (one whose frame turns out to be the end code is stopped when the codes are read)."""
+        """The code predictor queued for `code0` [B] and `hidden` [B, D]; each request keeps its next input."""
         launched = mark(self.device)
         codes, embeds = self.predictor.run(seqs, code0, hidden)
         sums = embeds.sum(1)
         host = codes
-        if codes.is_cuda:  # the next replay overwrites the predictor's outputs: copied out before it
+        if codes.is_cuda:  # the next replay overwrites them
             host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
             host.copy_(codes, non_blocking=True)
         finished = mark(self.device)
@@ -319,8 +293,7 @@ class NativeTalker(Engine, SpeechEngine):
         return LaunchedFrames(seqs, host, (since, launched, finished))
 
     def finish(self, frames: LaunchedFrames) -> list[TalkerSeq]:
-        """A launched frame step's codes, read (the step's one wait on the device): each request's frame kept,
-        or its end; rows of requests ended or freed since are dropped. Returns the requests read."""
+        """Reads a frame step's codes (its one wait) and keeps each live request's frame, or its end -> those read."""
         since, launched, finished = frames.marks
         self.wait(finished)
         rows = frames.codes.tolist()

@@ -1,6 +1,5 @@
-"""The talker on the shared layers: MoE decoder (with the shared expert) over codec embeddings, the head
-that picks each frame's first code, the projections from thinker states, and the dense code predictor
-that picks the frame's other codes. Names follow the checkpoint (`talker.*`), so the loader fills it."""
+"""The talker on the shared layers: a MoE decoder with a shared expert over codec embeddings, the head for each
+frame's first code, projections from thinker states, and the dense code predictor for the other codes."""
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +24,11 @@ class ResizeMLP(nn.Module):
 
 @fusable
 def shared_combine(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """The routed experts' output plus the shared expert's, scaled by its gate."""
     return routed + torch.sigmoid(gate) * shared
 
 
 class SharedExpertMoE(SparseMoE):
-    """The talker's MoE block: the routed experts, plus a shared expert every token goes through, scaled by a
-    sigmoid gate."""
+    """The routed experts plus a shared expert every token goes through, scaled by a sigmoid gate."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -39,7 +36,7 @@ class SharedExpertMoE(SparseMoE):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        routed = self.routed(x, residual)  # the residual added by the experts' own kernels
+        routed = self.routed(x, residual)
         return shared_combine(routed, self.shared_expert_gate(x), self.shared_expert(x))
 
 

@@ -1,7 +1,6 @@
-"""The code predictor's frame for a batch of speech requests: from the talker's state and first code of each,
-the other 15 codes and every code's embedding, its 15 steps and their sampling run over fixed buffers, so one
-CUDA graph per batch size records the whole frame. Every request runs the same positions each frame, so the
-predictor's keys sit in a dense cache, a row per request."""
+"""The code predictor's frame for a batch: from each talker state and first code, the other codes and every
+code's embedding, over fixed buffers so one graph per batch size records the whole frame. Every request runs
+the same positions each frame, so the keys sit in a dense cache, a row per request."""
 
 import torch
 
@@ -18,19 +17,17 @@ GREEDY = SamplingParams()
 class PredictorFrames:
     def __init__(self, talker, config, hidden_size: int, groups: int, max_seqs: int, dtype: torch.dtype,
                  device: torch.device, moe: str, laps: Laps):
-        """`talker`: the talker model, its code predictor among its modules; `config`: the predictor's."""
+        """`config`: the code predictor's."""
         self.talker, self.groups, self.device, self.moe, self.laps = talker, groups, device, moe, laps
         shape = (config.num_hidden_layers, max_seqs, groups, config.num_key_value_heads, config.head_dim)
         self.attention = DenseAttention(torch.zeros(shape, dtype=dtype, device=device),
                                         torch.zeros(shape, dtype=dtype, device=device), config.head_dim ** -0.5)
         self.hidden = torch.zeros(max_seqs, hidden_size, dtype=dtype, device=device)  # the talker's last states
-        # code 0, top-k, seed, counter base; temperature, top-p: the settings from the host by one copy a frame
+        # code 0, top-k, seed, counter base; temperature, top-p
         self.inputs = StepInputs(4, 2, max_seqs, device)
         self.ints, self.floats = self.inputs.ints, self.inputs.floats
         self.top_k = PREDICTOR_SAMPLING.top_k or config.vocab_size  # the widest top-k a row may use
-        # The rotary tables [G, D] for its positions 0..G-1, the same every frame: made once, not in each of its 15
-        # steps (some ten small kernels a step).
-        with torch.no_grad():
+        with torch.no_grad():  # rotary tables [G, D], the same every frame: made once
             self.rope = talker.code_predictor.model.rope(torch.arange(groups, device=device).float().expand(3, -1), dtype)
         self.graphs = None
 
@@ -38,13 +35,11 @@ class PredictorFrames:
         self.graphs = graphs.Ladder(sizes, self.body, self.device)
 
     def run(self, seqs: list, code0: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes [B, G] of the frames of `seqs`, and their code embeddings [B, G, D]: first codes and talker
-        states (device tensors) and the requests' settings go into the fixed buffers, then one frame runs
-        (replayed from a graph where one is captured)."""
+        """-> codes [B, G] and code embeddings [B, G, D] of one frame of `seqs`, from a graph where one fits."""
         n = len(seqs)
         graph = self.graphs is not None and n <= self.graphs.max_batch
         b = self.graphs.size_for(n) if graph else n
-        params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)  # padding rows: greedy
+        params = [s.predictor_params or GREEDY for s in seqs] + [GREEDY] * (b - n)
         ints, floats = self.inputs.fill()
         ints[1:, :b] = ([p.top_k or self.top_k for p in params], [p.seed & (2**63 - 1) for p in params],
                         [(len(s.frames) + s.frames_unread) * self.groups for s in seqs] + [0] * (b - n))
@@ -52,7 +47,7 @@ class PredictorFrames:
         self.inputs.send()
         self.ints[0, :n] = code0  # on the device, after the copy
         self.hidden[:n] = hidden
-        if b > n:  # zeroed in place (a Python 0 assigned might be copied over from host memory first)
+        if b > n:  # zero_(): a Python 0 assigned might be copied from the host first
             self.ints[0, n:b].zero_()
             self.hidden[n:b].zero_()
         self.laps.lap("inputs")
@@ -61,8 +56,7 @@ class PredictorFrames:
         return codes[:n], embeds[:n]
 
     def body(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One frame for the first `b` rows of the buffers: 15 steps, sampling included, shapes fixed by `b` alone
-        (what a graph records)."""
+        """One frame for the first `b` rows, sampling included, shapes fixed by `b` alone."""
         cp = self.talker.code_predictor
         code0, top_k, seeds, base = self.ints[:, :b]
         temps, top_p = self.floats[:, :b]
@@ -71,17 +65,16 @@ class PredictorFrames:
         cos, sin = self.rope
         rope = cos[:2].repeat(b, 1), sin[:2].repeat(b, 1)  # positions 0 and 1 for each request
         codes, embeds, cached = [code0], [first], 0
-        counters = base[:, None] + torch.arange(self.groups - 1, device=base.device)  # each group's, in one launch
+        counters = base[:, None] + torch.arange(self.groups - 1, device=base.device)
         for i in range(self.groups - 1):
             n = 2 if i == 0 else 1
             with step_context(self.attention.at(b, cached, n), self.moe):
                 h = cp.model(x, rope=rope)
             cached += n
-            # Seeded draws hashed from (seed, frame, group): no generator, no launch per request.
             code = sample_tensors(cp.lm_head[i](h[n - 1::n]), temps, top_k, top_p, seeds, counters[:, i], self.top_k)
             codes.append(code)
             x = cp.model.codec_embedding[i](code)
             embeds.append(x)
             if i < self.groups - 2:
-                rope = cos[cached].expand(b, -1), sin[cached].expand(b, -1)  # every request at the same position
+                rope = cos[cached].expand(b, -1), sin[cached].expand(b, -1)
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)

@@ -1,10 +1,7 @@
 """The reference talker engine: transformers' own talker, code predictor and code2wav, one request per forward.
 
-It follows transformers' `Qwen3OmniMoeForConditionalGeneration.generate()` step for step, except that
-it starts as soon as the thinker's first states arrive and consumes one text token per frame as the
-thinker produces them, instead of waiting for the whole text. Speech is decoded in chunks with left
-context as frames come.
-"""
+It follows transformers' generate() step for step, except that it starts with the thinker's first states and
+takes a text token per frame as they come, and decodes speech in chunks with left context."""
 
 import time
 

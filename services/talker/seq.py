@@ -1,5 +1,4 @@
-"""The talker's request (TalkerSeq: what it carries in, and the engines' state of it as it speaks) and what a step
-hands out for it (TalkerStep: its chunks of speech, SpeechChunk)."""
+"""The talker's request (TalkerSeq) and what a step hands out for it (TalkerStep, its SpeechChunks)."""
 
 import time
 from collections import deque
@@ -12,7 +11,7 @@ from transformers import DynamicCache
 from services.model.positions import Layout
 from services.llm.sampling import SamplingParams
 
-# The code predictor's own sampling in transformers (fixed there, whatever the talker's settings).
+# Fixed in transformers, whatever the talker's settings
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
 
 
@@ -24,43 +23,37 @@ class TalkerSeq:
     speaker_id: int
     params: SamplingParams  # max_tokens counts frames
     tts_embeds: torch.Tensor  # [3, H_thinker]: thinker input embeddings of tts bos, eos, pad
-    # thinker states in order as they arrive: (embeds [n, H], hidden [n, H]); text_ended once the thinker is done
-    inbox: deque = field(default_factory=deque)
+    inbox: deque = field(default_factory=deque)  # thinker states as they arrive: (embeds [n, H], hidden [n, H])
     text_ended: bool = False
     # engine state
-    text_done: bool = False  # text_ended as seen after taking in every state sent before it
+    text_done: bool = False  # text_ended, seen after every state sent before it
     done: bool = False
     eos: bool = False
     embeds: list[torch.Tensor] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)
     n_states: int = 0
-    cache: DynamicCache | None = None  # the reference engine's; the native engine's state lives in the engine
+    cache: DynamicCache | None = None  # the reference engine's
     n_cached: int = 0
     rope_delta: float = 0.0
     code0: int | None = None  # sampled, its frame not yet predicted
     past_hidden: torch.Tensor | None = None  # the reference engine's: talker output at the last position [1, 1, D]
-    next_embed: torch.Tensor | None = None  # the native engine's: the last frame's summed code embeddings [D],
-    # waiting for the text its next input adds
-    frames_unread: int = 0  # the native engine's: frames launched whose codes are not read yet
+    next_embed: torch.Tensor | None = None  # the native engine's: the last frame's summed code embeddings [D]
+    frames_unread: int = 0  # the native engine's: frames launched, codes not read yet
     frames: list[list[int]] = field(default_factory=list)
-    decoded: int = 0  # frames already turned into audio (launched, perhaps not yet handed out)
+    decoded: int = 0  # frames launched through code2wav
     vocoding: int = 0  # chunks launched and not yet handed out
     generator: torch.Generator | None = None  # the reference engine's two; the native one hashes seeds
     predictor_generator: torch.Generator | None = None
     predictor_params: SamplingParams | None = None  # None: greedy
     tts: torch.Tensor | None = None  # [3, D] projected tts bos, eos, pad
     seconds: dict = field(default_factory=lambda: {"talker": 0.0, "code_predictor": 0.0, "code2wav": 0.0})
-    # When the request reached each step on its way to its first audio (host clock): where a time to first
-    # audio goes, reported beside `seconds` (first_audio_split).
-    marks: dict = field(default_factory=lambda: {"arrived": time.perf_counter()})
+    marks: dict = field(default_factory=lambda: {"arrived": time.perf_counter()})  # milestones to first audio
 
     def mark(self, milestone: str) -> None:
         self.marks.setdefault(milestone, time.perf_counter())
 
     def first_audio_split(self) -> dict[str, float]:
-        """Seconds between its milestones: waiting for the thinker's first text (states), for a step to take
-        it (queue), its prompt's step and first frame (first_frame), and that frame's way out as audio (the
-        first chunk's remaining frames and code2wav: first_chunk)."""
+        """Seconds between milestones: where a time to first audio went."""
         order = [("talker_wait_states", "arrived", "ready"), ("talker_queue", "ready", "admitted"),
                  ("talker_first_frame", "admitted", "first_frame"), ("talker_first_chunk", "first_frame", "first_audio")]
         return {name: self.marks[b] - self.marks[a] for name, a, b in order if a in self.marks and b in self.marks}

@@ -37,11 +37,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         )
 
     async def _feed(self, inputs, seq: TalkerSeq, handle) -> None:
-        """Moves the thinker's states into the request as they arrive, in order. Once the speech is done
-        (its frames, or its end code, may come before the text ends), states still arriving are released
-        unread: the call stays open until the caller says the text ended, so the caller never writes to a
-        call that is over, and no slot waits to be reclaimed. A bad input stream fails the request at once,
-        through its outputs (it may be waiting for states that will never come)."""
+        """The thinker's states into the request in order; after the speech, released unread until the text ends."""
         expected = 0
         try:
             async for msg in inputs:
@@ -53,8 +49,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                         raise InvalidArgument(f"thinker states out of order: position {s.start}, expected {expected}")
                     if len(s.states.shape) != 3 or s.states.shape[0] != 2:
                         raise InvalidArgument(f"thinker states of shape {list(s.states.shape)}: expected [2, rows, hidden]")
-                    # States in the message (or shared memory) stay on the host here; the engine uploads them
-                    # without waiting on its device. A CUDA IPC ref is read to the device: it lives there already.
+                    # Host states stay on the host for the engine to upload; a CUDA IPC ref is on a GPU already
                     where = self.engine.device if s.states.WhichOneof("location") == "cuda" else "cpu"
                     both = self.transport.get(s.states, where)
                     expected += both.shape[1]
@@ -102,7 +97,6 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
 
 
 def make_engine(cfg: MeshConfig, device: str):
-    """The engine the config names, on `device`."""
     if cfg.talker.engine == "native":
         return NativeTalker(cfg.model, cfg.talker, device)
     return ReferenceTalker(cfg.model, cfg.talker, device)

@@ -1,6 +1,5 @@
-"""What every talker engine shares: how a request's prompt is built from the thinker's states, the text each frame
-adds, and chunked code2wav. Engines differ in how they run the talker and code predictor. The request itself is
-services/talker/seq.py's, its chunks services/talker/chunks.py's."""
+"""What every talker engine shares: a request's prompt built from the thinker's states, the text each frame adds,
+and chunked code2wav. Engines differ in how they run the talker and code predictor."""
 
 import time
 from collections import deque
@@ -25,12 +24,11 @@ class SpeechEngine:
     """The engine protocol's request handling, shared; subclasses implement `step`."""
 
     def __init__(self, talker, model: ModelConfig, chunks: list[int], device, dtype, native_code2wav: bool):
-        """`native_code2wav`: code2wav's decoder our own (services/talker/code2wav.py), else transformers'."""
+        """`native_code2wav`: our decoder (code2wav.py), else transformers'."""
         self.device, self.dtype, self.talker = torch.device(device), dtype, talker
         self.code2wav = load_component("code2wav", model.dir, device, dtype, model.load_format,
                                        model.seed).requires_grad_(False)
-        # A decode of F frames gives F * samples_per_frame - tail samples (decoded_tail)
-        self.tail = decoded_tail(self.code2wav)
+        self.tail = decoded_tail(self.code2wav)  # F frames decode to F * samples_per_frame - tail samples
         if native_code2wav:
             self.code2wav = NativeCode2Wav(self.code2wav)
         self.spec = spec = OmniSpec.load(model.dir)
@@ -45,18 +43,17 @@ class SpeechEngine:
         self.mm_ids = torch.tensor([spec.thinker[k] for k in ("audio_token_id", "image_token_id", "video_token_id")])
         self.rope_tokens = tokens_from_config(tc)
         self.tts_pad_id = spec.raw["tts_pad_token_id"]
-        self.plan = chunk_plan(chunks, LEFT_CONTEXT)  # (frames code2wav sees, new frames) of each chunk until they repeat
+        self.plan = chunk_plan(chunks, LEFT_CONTEXT)  # (frames code2wav sees, new frames) until they repeat
         self.samples_per_frame = int(self.code2wav.total_upsample)
         self.sample_rate = 24000
         # frames (context included) -> (codes buffer, graphs, the decoder row they start at)
         self.c2w_graphs: dict[int, tuple[torch.Tensor, object, int]] = {}
-        # code2wav off the frame loop's stream (set by an engine on a GPU): the device runs it beside the next
-        # frames, and the host reads the waveforms when they are there instead of waiting for them.
+        # Off the frame loop's stream: the device runs code2wav beside the next frames, the host reads it when done
         self.vocode_stream: torch.cuda.Stream | None = None
-        self.vocoding: deque[Vocoding] = deque()  # launched, in launch order (the order they complete in)
-        self.live: set[int] = set()  # requests added and not freed: chunks of freed ones are dropped
-        self.waited_s = 0.0  # the host's time blocked on the device (`wait`), for the benchmark's host/wait split
-        if not hasattr(self, "laps"):  # the host's time by phase of its steps, and its waits on the device, summed
+        self.vocoding: deque[Vocoding] = deque()  # in launch order, the order they complete in
+        self.live: set[int] = set()  # chunks of freed requests are dropped
+        self.waited_s = 0.0
+        if not hasattr(self, "laps"):
             self.laps = Laps()
 
     def chunk_shapes(self) -> list[int]:
@@ -64,70 +61,59 @@ class SpeechEngine:
         return sorted({frames for frames, _ in self.plan})
 
     def capture_code2wav(self, max_batch: int) -> None:
-        """code2wav over each chunk shape, replayed from CUDA graphs for a ladder of batch sizes up to
-        `max_batch`: launched eagerly, a small chunk's hundreds of kernels cost more on the host than on the
-        device. Rows are independent (convolutions and attention run along each row's own time axis), so a
-        group pads with zero codes to the next captured size."""
+        """code2wav per chunk shape as CUDA graphs (eagerly the host lags the device); rows are independent."""
         sizes = graphs.ladder(max_batch)
         for frames in self.chunk_shapes():
             codes = torch.zeros(sizes[-1], self.groups, frames, dtype=torch.long, device=self.device)
-            # The least left context a chunk of this length has in the plan (a request's last chunk may have more).
+            # The least left context a chunk of this length has in the plan
             start = min(self._start(self._skip(frames - new)) for f, new in self.plan if f == frames)
             ladder = graphs.Ladder(sizes, lambda b, codes=codes, start=start: self._waveforms(codes[:b], start), self.device)
             self.c2w_graphs[frames] = codes, ladder, start
 
     def _skip(self, context: int) -> int:
-        """The samples a chunk's decode makes and drops before the ones it hands out, `context` frames before its first
-        new one: all of the context's but the last `tail`, which the chunk before could not decode (they read the
-        frames after it) and this one can. A request's chunks then join without a gap, as one decode of its frames
-        would give them (dropped, 23 ms of every chunk were missing: 555 samples at 24 kHz)."""
+        """Samples a chunk drops: its context's but the last `tail`, which the chunk before could not decode."""
         return context * self.samples_per_frame - self.tail if context else 0
 
     def _start(self, skip: int) -> int:
-        """The first decoder row code2wav needs for the waveform from sample `skip` on (the native decoder starts
-        there; transformers' module at the chunk's first frame)."""
+        """The first decoder row the waveform from sample `skip` needs (transformers' module starts at row 0)."""
         return self.code2wav.first_row(skip) if isinstance(self.code2wav, NativeCode2Wav) else 0
 
     def _waveforms(self, codes: torch.Tensor, start: int) -> torch.Tensor:
         return self.code2wav(codes, start) if start else self.code2wav(codes)
 
     def _code2wav(self, codes: list, skip: int = 0) -> torch.Tensor:
-        """Waveforms [B, 1, samples] of code rows [B][frames][groups] of one length, from sample `skip` on:
-        replayed from a graph where one is captured for the length and batch (and starts early enough), else
-        eagerly. A request's last chunk, shorter than the plan's, is replayed from the graph of the shortest
-        captured length that holds it, its frames followed by zero codes: no sample a decode of the chunk alone gives
-        reads a later frame (only its tail would, decoded_tail), so those samples are the same, and the rest is cut
-        off (eager, many requests' last chunks would stall the frame loop)."""
+        """Waveforms [B, 1, samples] of code rows [B][frames][groups] of one length from sample `skip` on, from a graph
+        where one fits. A shorter last chunk takes a longer graph, zero codes after its frames: the samples it keeps
+        read no later frame (decoded_tail), and eagerly many last chunks would stall the frame loop."""
         n, frames, start = len(codes), len(codes[0]), self._start(skip)
         fits = [f for f, (_, ladder, at) in self.c2w_graphs.items() if f >= frames and n <= ladder.max_batch and at <= start]
         if not fits:
-            wav = self._waveforms(upload(codes, self.device, torch.long).transpose(1, 2), start)  # no wait for the device
+            wav = self._waveforms(upload(codes, self.device, torch.long).transpose(1, 2), start)
         else:
             buf, ladder, start = self.c2w_graphs[min(fits)]
             b = ladder.size_for(n)
-            # Through numpy, not torch.tensor(), which converts element by element: tens of thousands of codes a chunk
-            rows = np.asarray(codes, dtype=np.int64).transpose(0, 2, 1)
-            if frames < buf.shape[2]:  # a last chunk: zero codes after its frames
+            rows = np.asarray(codes, dtype=np.int64).transpose(0, 2, 1)  # numpy: torch.tensor() is element by element
+            if frames < buf.shape[2]:
                 rows = np.pad(rows, ((0, 0), (0, 0), (0, buf.shape[2] - frames)))
             upload_into(buf[:n], rows)
             if b > n:
                 buf[n:b].zero_()
             wav = ladder.replay(b)[:n]
-        first = start * self.code2wav.row_samples if start else 0  # the sample `wav` starts at
+        first = start * self.code2wav.row_samples if start else 0  # where `wav` starts
         return wav[..., skip - first:frames * self.samples_per_frame - self.tail - first]
 
     def add(self, seq: TalkerSeq) -> None:
         if seq.params.max_tokens < 1:
             raise InvalidArgument("talker max frames must be at least 1")
         self.live.add(id(seq))
-        if seq.params.temperature > 0:  # the predictor samples too, from its own stream of the request's seed
+        if seq.params.temperature > 0:  # the predictor samples from a seed of its own
             seed = seq.params.seed + 1 if seq.params.seed else 0
             seq.predictor_params = replace(PREDICTOR_SAMPLING, seed=seed)
 
     def ready(self, seq: TalkerSeq) -> bool:
         if seq.done:
             return False
-        ended = seq.text_ended  # read before taking in states: every state sent before the end is in the inbox
+        ended = seq.text_ended  # read first: every state sent before the end is then in the inbox
         self._ingest(seq)
         seq.text_done = ended
         if not self.started(seq):
@@ -141,7 +127,6 @@ class SpeechEngine:
         raise NotImplementedError
 
     def wait(self, m) -> None:
-        """wait_for(m), its time counted in `waited_s`."""
         t, c = time.perf_counter(), time.thread_time()
         wait_for(m)
         t = time.perf_counter() - t
@@ -149,7 +134,7 @@ class SpeechEngine:
         self.laps.waited(t, time.thread_time() - c)
 
     def runnable(self, seq: TalkerSeq) -> bool:
-        """A started request can take its next step: the text its next frame adds is known."""
+        """A started request can step: the text its next frame adds is known."""
         return self._trailing_known(seq)
 
     def free(self, seq: TalkerSeq) -> None:
@@ -168,14 +153,13 @@ class SpeechEngine:
             seq.n_states += len(embeds)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A state on this engine's device: from the host through pinned memory, queued without waiting (a
-        copy from pageable memory would wait for every step this thread has queued)."""
+        """A state on this engine's device, from the host through pinned memory (host.py)."""
         if t.device == self.device or self.device.type != "cuda":
             return t.to(self.device, self.dtype)
         return upload(t, self.device, self.dtype)
 
     def _trailing_known(self, seq: TalkerSeq) -> bool:
-        # Frame t adds the text of position L + 1 + t (or tts_eos / tts_pad once the text has run out).
+        # Frame t adds the text of position L + 1 + t (or tts_eos / tts_pad once the text has run out)
         return seq.text_done or seq.n_states > len(seq.prompt_ids) + 1 + len(seq.frames)
 
     def _states(self, seq: TalkerSeq) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,12 +171,11 @@ class SpeechEngine:
     def prompt_inputs(self, seq: TalkerSeq) -> tuple[torch.Tensor, torch.Tensor]:
         """The talker's prompt [L, D] and its M-RoPE positions [3, L] (sets seq.tts and seq.rope_delta)."""
         tk, raw = self.talker, self.spec.raw
-        # The prompt's layout is worked out on the host from its ids, so nothing here waits for the device (an
-        # admission comes while a frame step may still run): the device only gathers and projects rows.
+        # The layout is worked out on the host, so nothing waits for a frame step still running
         ids = seq.prompt_ids.cpu()
         n = len(ids)
         embeds, hidden = self._states(seq)
-        # User turns only, multimodal positions from the accept layer, text from the input embedding.
+        # User turns only, multimodal positions from the accept layer, text from the input embedding
         positions = torch.arange(n)
         starts = torch.where(ids == raw["im_start_token_id"], positions, torch.full_like(positions, -1))
         role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(n - 1)]
@@ -206,7 +189,7 @@ class SpeechEngine:
         projected[text_rows] = tk.text_projection(embeds[text_rows])
         user_embeds, user_ids = projected[user_rows], ids[user]
         # Assistant prefix: <|im_start|> assistant \n, tts_pad x4, tts_bos, first text token, each summed with
-        # the codec stream zeros x3, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos.
+        # the codec stream zeros x3, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos
         a = int(torch.nonzero((ids[:-1] == raw["im_start_token_id"]) & (ids[1:] == raw["assistant_token_id"]))[-1])
         seq.tts = tk.text_projection(self._to_device(seq.tts_embeds)[None])[0]
         bos, _, pad = seq.tts
@@ -225,9 +208,8 @@ class SpeechEngine:
         return self.trailing_rows([(seq, t)])
 
     def trailing_rows(self, frames: list[tuple[TalkerSeq, int]]) -> torch.Tensor:
-        """`trailing` for many (request, frame) pairs at once [N, D]: the thinker rows still to come go through
-        the text projection together, in one call whatever N."""
-        text, tts = [], []  # (row of the result, thinker input embedding) / (row, projected tts row)
+        """`trailing` for many (request, frame) pairs [N, D], one text projection for all."""
+        text, tts = [], []  # (row, thinker input embedding) / (row, projected tts row)
         for row, (seq, t) in enumerate(frames):
             pos = len(seq.prompt_ids) + 1 + t
             if pos < seq.n_states:
@@ -239,36 +221,29 @@ class SpeechEngine:
         if not text:
             return torch.stack([e for _, e in tts])
         out = torch.empty(len(frames), frames[0][0].tts.shape[1], device=self.device, dtype=self.dtype)
-        # Row indices through pinned memory: a Python list as an index is copied from pageable memory, which may
-        # wait for the step the device is still running (an overlapped step's inputs are queued during it).
         rows = upload([r for r, _ in text] + [r for r, _ in tts], self.device, torch.long)
         out[rows[:len(text)]] = self.talker.text_projection(torch.stack([e for _, e in text])[None])[0]
         out[rows[len(text):]] = torch.stack([e for _, e in tts])
         return out
 
     def _next_chunk(self, seq: TalkerSeq) -> tuple[int, int, int] | None:
-        """(start, end, left context) of the next chunk ready for audio: the plan's (a small first one, then
-        larger ones with left context), and whatever is left once the request is done."""
+        """(start, end, left context) of the next chunk ready for audio, or what is left once the request is done."""
         if seq.decoded >= len(seq.frames):
             return None
         start, need = 0, 0
-        for _, need in self.plan:  # chunks are taken whole but a request's last: one starts where the plan says
+        for _, need in self.plan:  # chunks are whole but the last: one starts where the plan says
             if start >= seq.decoded:
                 break
             start += need
-        need = need if start == seq.decoded else self.plan[-1][1]  # past the plan: its steady size
+        need = need if start == seq.decoded else self.plan[-1][1]  # past the plan, its steady size
         if len(seq.frames) - seq.decoded < need and not seq.done:
             return None
         start = seq.decoded
         return start, min(len(seq.frames), start + need), min(LEFT_CONTEXT, start)
 
     def vocode(self, seqs: list[TalkerSeq], wait: bool = False) -> dict[int, tuple[TalkerSeq, list[SpeechChunk]]]:
-        """Launches code2wav for every chunk of `seqs` ready for audio, then hands out the chunks whose waveforms
-        are in host memory, in launch order: {id(request): (request, chunks)}, for any request. Chunks of the
-        same length and context are decoded together (code2wav is causal, so a batch gives each request what it
-        would get alone). On `vocode_stream` nothing here waits for the device, except for a request that has
-        finished (all its audio goes out with its last step) or, with `wait` (the step queued nothing else), for
-        the oldest launch rather than returning empty-handed."""
+        """Launches code2wav for every ready chunk, then hands out those on the host: {id(request): (request, chunks)}.
+        Waits only for a finished request's audio or, with `wait`, the oldest launch."""
         while jobs := [(s, c) for s in seqs if (c := self._next_chunk(s)) is not None]:
             groups: dict[tuple[int, int], list] = {}
             for s, (start, end, ctx) in jobs:
@@ -292,10 +267,9 @@ class SpeechEngine:
         return out
 
     def _launch(self, group: list) -> Vocoding:
-        """code2wav for one group of chunks: on the side stream (into pinned host memory, an event after the
-        copy) where there is one, else run to completion here."""
+        """code2wav for one group of chunks, on the side stream into pinned memory where there is one."""
         codes = [s.frames[start - ctx:end] for s, start, end, ctx in group]
-        skip = self._skip(group[0][3])  # the left context's samples but the chunk before's missing tail
+        skip = self._skip(group[0][3])
         for s, _, end, _ in group:
             s.decoded = end
             s.vocoding += 1
@@ -308,5 +282,5 @@ class SpeechEngine:
             begin = mark(self.device)
             wavs = self._code2wav(codes, skip)[:, 0].float()
             pcm = torch.empty(wavs.shape, dtype=torch.float32, pin_memory=True)
-            pcm.copy_(wavs, non_blocking=True)  # wavs' memory is this stream's: not reused before the copy
+            pcm.copy_(wavs, non_blocking=True)  # wavs' memory is this stream's: not reused before the copy runs
             return Vocoding(chunks, pcm, begin, mark(self.device))

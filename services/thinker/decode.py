@@ -1,10 +1,7 @@
-"""The thinker's decode steps as CUDA graphs (services/llm/decode.py), and the host's part of each replay.
+"""The thinker's decode steps as CUDA graphs, and the host's part of each replay.
 
-Each graph loads its step's host values itself from pinned host memory (token ids, positions, draw settings, the
-row of the last replay whose draw is a row's input), takes the rows whose input is the last replay's token from
-that replay's draws on the device (`carry`), and writes its own draws to pinned host memory: a steady step is the
-graph's launch and an event, with no copies of its own.
-"""
+Each graph loads its host values from pinned memory, takes rows whose input is the last replay's draw from
+`carry` on the device, and writes its draws to pinned memory: a steady step is a launch and an event, no copies."""
 
 import numpy as np
 import torch
@@ -18,22 +15,21 @@ from services.llm.scheduler import Work
 
 
 class TokenGraphs:
-    """For each batch size up to the engine's decode_batch: token ids and positions in; layer-0 embeddings, the
-    talker's states, logits and the tokens drawn out."""
+    """Per batch size: ids and positions in; layer-0 embeddings, the talker's states, logits and draws out."""
 
     def __init__(self, engine, max_batch: int):
         self.device = engine.device
         cuda = self.device.type == "cuda"
         model, moe, accept_layer = engine.model, engine.moe, engine.accept_layer
         self.carry = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # the last replay's draws
-        # Each size's draws in pinned host memory, a row a turn, and an event after each turn's replay
+        # Each size's draws in pinned memory, a row per staging turn, and an event after each turn's replay
         self.drawn_host = {b: torch.zeros(2, b, dtype=torch.long, pin_memory=cuda) for b in ladder(max_batch)}
         drawn_out = {b: device_view(h, self.device) for b, h in self.drawn_host.items()}
         self.done = {b: [torch.cuda.Event() if cuda else None for _ in range(2)] for b in self.drawn_host}
 
         def body(b: int, inputs, attention):
             inputs.staging.load()
-            # ids, positions, top-k, seed, draw counter, the last replay's row whose draw is the input (-1: the id)
+            # src: the last replay's row whose draw is the input (-1: the id)
             (ids, pos, top_k, seeds, counters, src), (temps, top_p) = inputs.ints, inputs.floats
             ids = torch.where(src >= 0, self.carry[src.clamp(min=0)], ids)
             with step_context(attention, moe):
@@ -51,12 +47,9 @@ class TokenGraphs:
 
         self.graphs = DecodeGraphs(engine, max_batch, 6, 2, body, init, loaded=True)
         self._rows: dict[int, tuple] = {}  # each size's host rows of positions and settings, kept between steps
-        # After each replay: its rows' draws in host memory, read after `last_done`, an event its staging buffer's
-        # next fill waits for (`last_staging`, told once the caller has waited: Staging.reached)
+        # The last replay's draws in host memory, read after `last_done`, which its staging buffer's next fill waits for
         self.last_drawn_host, self.last_done, self.last_staging = None, None, None
-        # Each graph's outputs cut to a step's rows, and each size's row of draws cut to them: views made once (a view
-        # is a torch call, several microseconds a step)
-        self._rows_of, self._drawn_rows = {}, {}
+        self._rows_of, self._drawn_rows = {}, {}  # views cut to a step's rows, made once: each is a torch call
 
     @property
     def max_batch(self) -> int:
@@ -70,19 +63,14 @@ class TokenGraphs:
         self.graphs.forget()
 
     def replay(self, work: list[Work], ids, counters: list[int], laps: Laps, src: list[int] | None = None) -> tuple:
-        """The graph for `work` replayed: `ids` each row's input id (host values; 0 where `src` names a row of the
-        last replay, whose draw in `carry` is the input instead), `counters` its draw counter. Returns (input
-        embeddings, accept-layer states, logits, tokens drawn) of `work`'s rows, valid until the next replay."""
+        """Replays `work` -> (input embeddings, accept-layer states, logits, draws), valid until the next replay."""
         n = len(work)
         b = self.graphs.size_for(n)
         ints, floats = self.graphs.fill(b)
-        # Padding rows keep what the buffer last held for them (settings and ids of earlier rows, or zeros): they
-        # only touch the scratch block, and their outputs are dropped.
+        # Padding rows keep whatever the buffer held: they touch only the scratch block
         ints[0, :n] = ids
         ints[5, :n] = -1 if src is None else src
-        # The last replay's rows one token on (the same sequences, nothing else run between): positions advanced
-        # and settings kept, the page table advanced, not rebuilt (DecodeAttention.plan).
-        steady = self.graphs.steady(b, work)
+        steady = self.graphs.steady(b, work)  # positions advanced and settings kept
         int_rows, float_rows = self._rows.setdefault(b, (np.zeros((3, b), np.int64), np.zeros((2, b), np.float32)))
         if steady:
             int_rows[0, :n] += 1
@@ -102,7 +90,7 @@ class TokenGraphs:
         if cut is None or cut[0] is not out:
             cut = self._rows_of[b, n] = out, tuple(t[:n] if t is not None else None for t in out)
         inputs = self.graphs.inputs[b]
-        turn = inputs.staging.turn ^ 1  # the staging buffer this replay loads, and its row of drawn_host
+        turn = inputs.staging.turn ^ 1  # the staging buffer this replay loads
         done = self.done[b][turn]
         if done is not None:
             done.record(torch.cuda.current_stream(self.device))

@@ -1,7 +1,5 @@
-"""The native thinker engine: the engine core (services/llm/engine.py) with the thinker's inputs (token and
-multimodal embeddings, M-RoPE positions, DeepStack), its decode graphs (services/thinker/decode.py) and its
-outputs (tokens, and for speech requests the states the talker needs). Same requests and outputs as the
-reference engine."""
+"""The native thinker engine: the engine core with the thinker's inputs (token and multimodal embeddings,
+M-RoPE positions, DeepStack), its decode graphs, and its outputs (tokens, and the talker's states for speech)."""
 
 import time
 from dataclasses import dataclass
@@ -21,34 +19,33 @@ from services.thinker.decode import TokenGraphs
 from services.thinker.model import ThinkerModel
 from services.thinker.seq import ThinkerSeq, ThinkerStep, accept, validate
 
-PLACEHOLDER = -1  # a sequence's token drawn by a launched step, not read yet (overlap)
+PLACEHOLDER = -1  # a token drawn by a launched step, not read yet
 
 
 @dataclass(eq=False)
 class ThinkerState(SeqState):
-    states_sent: int = 0  # positions whose states went out (a recomputed sequence does not send them twice)
+    states_sent: int = 0  # so a recomputed sequence does not send states twice
 
 
 @dataclass
 class Launched:
-    """A launched step: its rows, the tokens chosen for the rows that end (`ends`: their indices in `work`; None:
-    every row) on the device and on their way to the host, and what goes out with them."""
+    """A launched step: its rows, tokens drawn for the rows in `ends` (None: all), and what goes out with them."""
     work: list
     ends: list[int] | None
     tokens: torch.Tensor
-    host: torch.Tensor | None  # pinned host memory the tokens land in (read after `event`); None: read `tokens`
+    host: torch.Tensor | None  # pinned memory the tokens land in, read after `event`
     event: object
     placeholders: list[bool] | None = None  # launched ahead: the rows given a placeholder token
-    row_of: dict | None = None  # SeqState (hashed by identity) -> row: where a next step's input is
-    states: list | None = None  # per row of `work`: (first position, embeds [n, H], states [n, H]) or None
-    ready: object = None  # an event after `states` and `token_embeds` on the device
-    token_embeds: dict | None = None  # row -> the request's embed_token_ids embedded (its first step)
-    carried: bool = False  # its tokens are the decode graphs' `carry` (the graph's own draws)
-    fence: tuple | None = None  # (Staging, event) where carried: the staging buffer is free once `event` is waited for
+    row_of: dict | None = None  # SeqState -> row, where a next step's input is
+    states: list | None = None  # per row: (first position, embeds [n, H], states [n, H]) or None
+    ready: object = None  # an event after `states` and `token_embeds`
+    token_embeds: dict | None = None  # row -> the request's embed_token_ids embedded
+    carried: bool = False  # `tokens` are the graphs' own draws in `carry`
+    fence: tuple | None = None  # (Staging, event): the staging buffer is free once `event` is waited for
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values in pinned host memory, copied once the queue reaches this (read after a later event)."""
+    """`t` copied to pinned memory when the queue reaches this (read after a later event)."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
@@ -63,7 +60,7 @@ class NativeThinker(Engine):
         self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
         self.vocab, self.hidden_size = self.text_config.vocab_size, self.text_config.hidden_size
         self.states: dict[int, ThinkerState] = {}
-        self._launched, self._launch_turn = [None, None], 0  # pinned token buffers and their events, used in turn
+        self._launched, self._launch_turn = [None, None], 0  # pinned token buffers and events, in turn
         self.decode = TokenGraphs(self, self.decode_batch) if self.decode_batch else None
 
     @property
@@ -90,7 +87,7 @@ class NativeThinker(Engine):
     def account(self, work: list[Work], started: float, seconds: float) -> None:
         for w in work:
             seq = w.seq.owner
-            if not seq.started:  # a request's wait for its first step ended at this one's start
+            if not seq.started:
                 seq.started = started
             if w.start < seq.prompt_len:
                 seq.prefill_seconds += seconds
@@ -98,8 +95,7 @@ class NativeThinker(Engine):
                 seq.decode_seconds += seconds
 
     def runs_ahead(self, work: list[Work]) -> bool:
-        """Every row decodes its sequence's last token (real, or the pending step's), and its sampling needs nothing
-        the pending token would change: no repetition penalty, no minimum length."""
+        """Every row decodes its last token and its sampling does not depend on the pending token."""
         for w in work:
             seq: ThinkerSeq = w.seq.owner
             p = seq.params
@@ -119,18 +115,13 @@ class NativeThinker(Engine):
     # -- decode steps: one row per sequence, its last token ------------------------------------------
 
     def _launch_decode(self, work: list[Work], prev: Launched | None, ahead: bool) -> Launched:
-        """A decode step whose input tokens may still be on the device (`prev`'s, launched ahead), and its sampling;
-        takes no token back to the host. Ahead, each row's sequence gets a placeholder token for what it draws,
-        unless that token ends it by length (it is then not scheduled again)."""
+        """A decode step whose inputs may still be on the device (`prev`'s); ahead, each row gets a placeholder."""
         n = len(work)
         pending_rows = prev.row_of if prev is not None else {}
-        # The rows' values in comprehensions, not a loop of appends (this runs for every row of every decode step):
-        # where each one's input token is (the pending step's row, or -1: on the host), its draw counter (the pending
-        # token counts), whether its states go out with its token (speech requests, once per position), and whether
-        # the step's draws stand for its token (tensor_drawable).
+        # Comprehensions, not a loop of appends: this runs for every row of every decode step
         seq_states = [w.seq for w in work]
         owners = [s.owner for s in seq_states]
-        src = [pending_rows.get(s, -1) for s in seq_states]
+        src = [pending_rows.get(s, -1) for s in seq_states]  # the pending step's row, or -1: on the host
         in_order = prev is not None and src == list(range(n))
         counters = [len(o.generated) + (r >= 0) for o, r in zip(owners, src)]
         send = ([o.return_states and w.start + 1 > w.seq.states_sent for o, w in zip(owners, work)]
@@ -139,12 +130,11 @@ class NativeThinker(Engine):
         drawable = all([tensor_drawable(o.params, c, CANDIDATES) for o, c in zip(owners, counters)])
         host = event = None
         if self.decode is not None and n <= self.decode.max_batch:
-            # The pending step's tokens taken from `carry` in the graph (copied there unless they are its draws)
-            if prev is not None and not prev.carried and max(src) >= 0:
+            if prev is not None and not prev.carried and max(src) >= 0:  # the graph reads the pending tokens in `carry`
                 self.decode.carry[:len(prev.tokens)].copy_(prev.tokens)
             ids = 0 if in_order else [w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)]
             embeds, captured, logits, drawn = self.decode.replay(work, ids, counters, self.laps, src)
-            if drawable:  # the graph wrote its draws to the host: read after its event
+            if drawable:  # the graph wrote its draws to the host
                 tokens, host, event = drawn, self.decode.last_drawn_host, self.decode.last_done
         else:
             ids = upload([w.seq.tokens[w.start] if r < 0 else 0 for w, r in zip(work, src)], self.device, torch.long)
@@ -164,10 +154,10 @@ class NativeThinker(Engine):
             seen = [w.seq.tokens if o.params.repetition_penalty != 1.0 else None for o, w in zip(owners, work)]
             tokens = sample_batch(logits, [o.params for o in owners], seen, [len(o.generated) for o in owners],
                                   counters=counters)
-        carried = host is not None  # `carry` holds this step's tokens: the graph's draws
+        carried = host is not None
         fence = (self.decode.last_staging, event) if carried else None
         states = None
-        if sending:  # the next replay overwrites them: copied out to the host beside the tokens
+        if sending:  # the next replay overwrites them: copied out beside the tokens
             states = [(w.start, row) if sent else None for row, (w, sent) in enumerate(zip(work, send))]
             copies = _pinned_copy(embeds) if embeds.is_cuda else embeds.clone(), \
                 _pinned_copy(captured) if captured.is_cuda else captured.clone()
@@ -177,15 +167,15 @@ class NativeThinker(Engine):
                     w.seq.states_sent = w.start + 1
         if not tokens.is_cuda:
             host = tokens
-        elif host is None or states is not None:  # to the host without waiting: read when the step is finished
+        elif host is None or states is not None:
             if host is None:
                 host, event = self._token_buffer(n)
                 host.copy_(tokens, non_blocking=True)
-            if states is not None:  # its own event, after the states' copies
+            if states is not None:  # an event after the states' copies too
                 event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         placeholders = None
-        if ahead:  # a placeholder for each row's token, but where that token ends it by length
+        if ahead:
             placeholders = [c + 1 < o.params.max_tokens for o, c in zip(owners, counters)]
             for state, placeholder in zip(seq_states, placeholders):
                 if placeholder:
@@ -195,7 +185,7 @@ class NativeThinker(Engine):
                         carried=carried, fence=fence)
 
     def _forward(self, embeds, positions, attention, capture: int | None, ds_rows=None, deepstack=None):
-        """The normed output of a step run eagerly (in pieces where they hold it) and layer `capture`'s output."""
+        """The normed output of a step outside the decode graphs, and layer `capture`'s output."""
         kept = {}
 
         def run():
@@ -206,8 +196,7 @@ class NativeThinker(Engine):
         return hidden, hidden if capture == len(self.model.model.layers) else kept.get("states")
 
     def _token_buffer(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """A launched step's pinned buffer for its `n` tokens and the event of their copy: two sets used in turn,
-        as a step's tokens are read before the step after next is launched."""
+        """A pinned buffer for `n` tokens and its copy's event, two in turn: a step is read before the next but one."""
         self._launch_turn ^= 1
         if self._launched[self._launch_turn] is None or len(self._launched[self._launch_turn][0]) < n:
             self._launched[self._launch_turn] = (torch.empty(max(n, 256), dtype=torch.long, pin_memory=True),
@@ -226,7 +215,7 @@ class NativeThinker(Engine):
         ends, last, row = [], [], 0
         for i, w in enumerate(work):
             row += w.n
-            if w.start + w.n == len(w.seq.tokens):  # caught up with its tokens: choose the next one
+            if w.start + w.n == len(w.seq.tokens):  # caught up: draw the next token
                 ends.append(i)
                 last.append(row - 1)
         tokens = None
@@ -240,7 +229,7 @@ class NativeThinker(Engine):
         for i, w in enumerate(work):
             seq: ThinkerSeq = w.seq.owner
             state = None
-            if seq.return_states and w.start + w.n > w.seq.states_sent:  # rows a preempted sequence recomputes: once
+            if seq.return_states and w.start + w.n > w.seq.states_sent:  # recomputed rows are sent once
                 skip = max(0, w.seq.states_sent - w.start)
                 state = (w.start + skip, embeds[row + skip:row + w.n], captured[row + skip:row + w.n])
                 w.seq.states_sent = w.start + w.n
@@ -250,13 +239,13 @@ class NativeThinker(Engine):
             row += w.n
         ready = None
         if self.device.type == "cuda" and (token_embeds or any(s is not None for s in states)):
-            ready = torch.cuda.Event()  # one event after the step's output tensors (see ThinkerStep.ready)
+            ready = torch.cuda.Event()  # after the step's output tensors (ThinkerStep.ready)
             ready.record(torch.cuda.current_stream(self.device))
         self.laps.lap("queue")
         return Launched(work, ends, tokens, None, None, states=states, ready=ready, token_embeds=token_embeds)
 
     def _inputs(self, work: list[Work]):
-        """Input embeddings [N, H] (multimodal rows from their spans), positions [3, N], DeepStack rows and values."""
+        """Input embeddings [N, H], positions [3, N], DeepStack rows and values."""
         embeds, positions, ds_rows, ds_values, row = [], [], [], [], 0
         for w in work:
             seq: ThinkerSeq = w.seq.owner
@@ -283,19 +272,16 @@ class NativeThinker(Engine):
         if ds_rows:
             deepstack = [torch.cat(level).to(self.device, self.dtype) for level in zip(*ds_values)]
             ds_rows = upload(torch.cat(ds_rows), self.device)
-        # Host values through pinned memory (upload): from pageable memory each copy would first wait for the
-        # device to finish what this step queued before it.
         return torch.cat(embeds), upload(torch.cat(positions, dim=1), self.device), ds_rows if deepstack else None, deepstack
 
     # -- reading a step back -------------------------------------------------------------------------
 
     def finish(self, p: Launched) -> list[tuple[ThinkerSeq, ThinkerStep]]:
-        """The step's tokens, read now (its device work is done or nearly): each placeholder filled, each request's
-        output. Rows of requests freed or ended meanwhile are dropped."""
+        """The step's tokens read, placeholders filled -> each live request's output."""
         t_wait, c_wait = time.perf_counter(), time.thread_time()
         if p.event is not None:
             p.event.synchronize()
-            if p.fence is not None:  # the graph's staging buffer is free again: its next fill asks the driver nothing
+            if p.fence is not None:  # the next fill of that staging buffer need not ask the driver
                 p.fence[0].reached(p.fence[1])
         tokens = (p.host if p.host is not None else p.tokens).tolist() if p.tokens is not None else []
         self.laps.waited(time.perf_counter() - t_wait, time.thread_time() - c_wait)
@@ -316,7 +302,7 @@ class NativeThinker(Engine):
                 state.tokens.append(token)
             step = ThinkerStep([])
             if p.states is not None and p.states[row] is not None:
-                step.state_start, step.embeds, step.hidden = p.states[row]  # on the host, complete after the event
+                step.state_start, step.embeds, step.hidden = p.states[row]  # on the host, complete after `event`
             out.append((seq, accept(seq, step, token)))
         return out
 

@@ -1,6 +1,5 @@
-"""The thinker's language model on the shared layers: embeddings (multimodal rows replaced by the caller),
-48 QK-norm attention + MoE layers with DeepStack visual states added after the first ones, final norm,
-lm_head. Names follow the checkpoint (`model.*`, `lm_head`), so the component loader fills it."""
+"""The thinker's language model on the shared layers: MoE decoder layers with DeepStack visual states added
+after the first ones, and lm_head. Names follow the checkpoint, so the component loader fills it."""
 
 import torch
 from torch import nn
@@ -23,9 +22,7 @@ class ThinkerModel(nn.Module):
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, deepstack_rows: torch.Tensor | None = None,
                 deepstack: list[torch.Tensor] | None = None, capture_layer: int | None = None):
-        """embeds [N, H], positions [3, N]; DeepStack values [M, H] per level for rows `deepstack_rows` [M].
-        Returns the normed hidden states [N, H] and, with `capture_layer`, the output of that layer [N, H]
-        (before DeepStack is added, as transformers records it)."""
+        """embeds [N, H], positions [3, N] -> (normed [N, H], layer `capture_layer`'s output before DeepStack)."""
         cos, sin = self.model.rope(positions, embeds.dtype)
         x, captured = embeds, None
         for i, layer in enumerate(self.model.layers):
@@ -38,8 +35,7 @@ class ThinkerModel(nn.Module):
         return out, (out if capture_layer == len(self.model.layers) else captured)
 
     def after_layer(self, capture_layer: int | None, deepstack_rows, deepstack, kept: dict):
-        """The same work between layers for a forward run in pieces (services/llm/pieces.py), on the residual
-        stream in place: layer `capture_layer`'s output copied into kept["states"], DeepStack added."""
+        """forward's work between layers for a forward in pieces, in place; the capture goes to kept["states"]."""
         def hook(i: int, x: torch.Tensor) -> None:
             if capture_layer == i + 1:
                 kept["states"] = x.clone()

@@ -1,8 +1,5 @@
-"""The reference thinker engine: transformers' own Qwen3-Omni thinker LM, one request per forward.
-
-It is the baseline faster engines are measured against and the reference they are tested against:
-plain, with a DynamicCache per request and no batching across requests.
-"""
+"""The reference thinker engine: transformers' own thinker LM, one request per forward, a DynamicCache each.
+The baseline faster engines are measured and tested against."""
 
 import time
 
@@ -82,7 +79,7 @@ class ReferenceThinker:
             attention_mask=torch.ones(1, total, dtype=torch.long, device=self.device),
             output_hidden_states=seq.return_states, deepstack_visual_embeds=deepstack, visual_pos_masks=visual_mask,
         )
-        # All positions through lm_head, as transformers' generate does, so float results match it.
+        # All positions through lm_head, as generate() does, so float results match it
         logits = self.lm.lm_head(out.last_hidden_state)[0, -1]
         p = seq.params
         history = None

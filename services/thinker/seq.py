@@ -1,5 +1,4 @@
-"""The thinker's request (ThinkerSeq: what it carries in, and the engines' state of it) and what a step hands out
-for it (ThinkerStep); the checks every thinker engine makes of a request, and the rule that ends one."""
+"""The thinker's request (ThinkerSeq), what a step hands out for it (ThinkerStep), its checks and its end."""
 
 import time
 from dataclasses import dataclass, field
@@ -37,10 +36,9 @@ class ThinkerSeq:
     generator: torch.Generator | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    arrived: float = field(default_factory=time.perf_counter)  # made when the request reached the stage
-    started: float = 0.0  # when a step first computed it (its wait: started - arrived)
-    # len(prompt_ids), kept: a tensor's len() runs torch's Python __len__, several times a decode step a row
-    prompt_len: int = field(init=False, default=0)
+    arrived: float = field(default_factory=time.perf_counter)
+    started: float = 0.0  # when a step first computed it
+    prompt_len: int = field(init=False, default=0)  # a tensor's len() is a slow Python call, and this is hot
 
     def __post_init__(self):
         self.prompt_len = len(self.prompt_ids)
@@ -58,9 +56,7 @@ class ThinkerStep:
     hidden: torch.Tensor | None = None  # [n, H] accept_hidden_layer output of those positions
     token_embeds: torch.Tensor | None = None
     stop_reason: str = ""
-    # A CUDA event recorded once the tensors above are queued: a consumer waits for it alone, not for whatever
-    # the engine queued after (None: they are complete, or on the CPU).
-    ready: object = None
+    ready: object = None  # an event after the tensors above, so a consumer need not wait for later work
 
 
 def validate(seq: ThinkerSeq, vocab: int, hidden: int, has_states: bool) -> None:
@@ -80,8 +76,7 @@ def validate(seq: ThinkerSeq, vocab: int, hidden: int, has_states: bool) -> None
 
 
 def accept(seq: ThinkerSeq, step: ThinkerStep, token: int) -> ThinkerStep:
-    """`token` is the request's next: its output, and whether it ends the request ('eos' or 'length' as its stop
-    reason). Every decode step runs this for each of its requests."""
+    """`token` is the request's next: its output, with 'eos' or 'length' where it ends the request."""
     generated = seq.generated
     generated.append(token)
     step.token_ids = [token]

@@ -49,7 +49,7 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
             async for step in handle.outputs():
                 out = thinker_pb2.ThinkerOutput(token_ids=step.token_ids)
                 TOKENS.labels("thinker").inc(len(step.token_ids))
-                if step.embeds is not None:  # both in one slot: one copy each, one ref, one read at the talker
+                if step.embeds is not None:  # both in one slot: one ref, one read at the talker
                     out.state_start = step.state_start
                     out.states.CopyFrom(self.transport.put([step.embeds, step.hidden], request.placement, step.ready))
                 if step.token_embeds is not None:
@@ -70,7 +70,6 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
 
 
 def make_engine(cfg: MeshConfig, device: str):
-    """The engine the config names, on `device`."""
     if cfg.thinker.engine == "native":
         return NativeThinker(cfg.model, cfg.thinker, device)
     return ReferenceThinker(cfg.model, device)
