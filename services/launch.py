@@ -20,10 +20,8 @@ log = logging.getLogger("launch")
 
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    """`cmd` started in the repository with its output into `log`. Nothing of ours runs between fork and exec (no
-    preexec_fn), so Python starts it by vfork, which runs no fork handlers: forked instead, from a process with gRPC
-    traffic in flight, 7 children in 300 died before their exec (grpcio's handler restarts its poller in the child,
-    which aborts on the epoll fd the child closes before exec)."""
+    """`cmd` started in the repository, output into `log`. No preexec_fn, so Python uses vfork, which runs no fork
+    handlers: grpcio's would restart its poller in the child, which can abort before exec."""
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
 
@@ -37,12 +35,8 @@ class Mesh:
         self.cfg = load_config(self.config_path)
         self.log_dir = Path(log_dir or REPO_ROOT / ".cache" / "logs")
         self.stages = stages
-        # gRPC's fork handlers off unless asked for: a stage forks only to exec (compilers, spawned preprocessing
-        # workers), and with them on, grpcio restarted its poller in such a child, which aborted on the epoll fd the
-        # child had closed (a thinker died that way while starting, once in a CI run).
-        # A stage never outlives its launcher, even one killed with SIGKILL: it asks the kernel for that itself as it
-        # starts (OMNI_LAUNCHER_PID: services.runtime.server.die_with_launcher), not from code between fork and exec
-        # (spawn(): a preprocess-0 "exited with code -6 while starting" in a CI run when it was).
+        # gRPC fork support off: stages fork only to exec, where grpcio's handlers can abort the child.
+        # OMNI_LAUNCHER_PID: each stage asks the kernel itself to end it with the launcher (die_with_launcher)
         self.env = {"GRPC_ENABLE_FORK_SUPPORT": "false", **os.environ, "PYTHONUNBUFFERED": "1", **(env or {}),
                     "OMNI_LAUNCHER_PID": str(os.getpid())}
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), self.env.get("PYTHONPATH", "")]))
@@ -125,10 +119,8 @@ def main() -> None:
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    # Ctrl-C (SIGINT) stops the mesh even where the launcher was started with SIGINT ignored (a background job
-    # of a script inherits that, and Python then leaves it ignored): its KeyboardInterrupt, from anywhere below.
-    # Once: a second one (Ctrl-C pressed again, or `timeout -s INT`, which signals the process group as well) would
-    # cut the stop short, the stages' exit codes unread.
+    # Ctrl-C stops the mesh even where SIGINT was inherited ignored (a script's background job), and only once:
+    # a second one (`timeout -s INT` signals the whole group) would cut the stop short
     def interrupt(*_):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt

@@ -1,14 +1,9 @@
-"""Attention for the vision and audio towers over every item (image, video, audio window) a tower call holds,
-in one SDPA call per layer and without asking the device for anything.
+"""Attention for the vision and audio towers over every item a tower call holds, one SDPA call a layer, with
+nothing read back from the device.
 
-transformers' towers pack a call's items into one sequence and mark where each begins (cu_seqlens). Under
-SDPA they split it by `lengths.tolist()` in every layer: one wait for the device per layer (27 in the vision
-tower, 32 in the audio one), so the host never queues a layer before the last one has run, and one SDPA
-launch per item. Given an implementation whose name says "flash", the towers instead compute the longest item
-once per call and hand every layer cu_seqlens and that length: this one. Items of equal length (a step's
-same-size images, an audio clip's full windows) are a batch as they lie; otherwise each item is laid into a
-row of that length and the padding masked out of the keys.
-"""
+Under SDPA transformers' towers split the packed items by `lengths.tolist()` in every layer, a device wait each;
+given an implementation named "flash" they hand every layer cu_seqlens and the longest length instead. Equal
+items are a batch as they lie; otherwise each is laid into a padded row, the padding masked out of the keys."""
 
 import threading
 
@@ -16,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-NAME = "omni_flash_varlen"  # "flash" in the name: what makes the towers pass cu_seqlens and the longest length
+NAME = "omni_flash_varlen"  # "flash" makes the towers pass cu_seqlens and the longest length
 
 _layouts = threading.local()  # the last call's layout: every layer of a tower call passes the same cu_seqlens
 
@@ -31,13 +26,12 @@ def _layout(cu: torch.Tensor, tokens: int, longest: int) -> tuple[torch.Tensor, 
     item = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths, output_size=tokens)
     place = torch.arange(tokens, device=cu.device) - bounds[item]
     valid = torch.arange(longest, device=cu.device)[None, :] < lengths[:, None]
-    _layouts.last = (cu, (item, place, valid))  # holds cu: no other tensor gets its identity while this is kept
+    _layouts.last = (cu, (item, place, valid))  # holding cu keeps its identity from another tensor
     return item, place, valid
 
 
 def forget_layout() -> None:
-    """Drops the kept layout: a graph being captured must compute its own (its memory the graph's, remade at each
-    replay), not read tensors that go when the next call's layout replaces them."""
+    """Drops the kept layout: a graph being captured must compute its own, not read tensors that may go."""
     _layouts.last = None
 
 
@@ -68,6 +62,5 @@ AttentionInterface.register(NAME, varlen_attention)
 
 
 def use_varlen_attention(tower: torch.nn.Module) -> torch.nn.Module:
-    """`tower` (transformers' vision or audio encoder) attending with varlen_attention."""
     tower.config._attn_implementation = NAME
     return tower

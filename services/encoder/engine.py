@@ -1,6 +1,5 @@
-"""The encoder engine: transformers' own vision and audio towers, one call per tower a step for every item of
-every request the step holds (items attend within themselves: varlen attention), the vision tower replayed from
-CUDA graphs on a GPU."""
+"""The encoder engine: transformers' vision and audio towers, one call per tower a step for every item it holds
+(varlen attention), the vision tower replayed from CUDA graphs on a GPU."""
 
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from services.runtime.protoconv import DTYPES
 @dataclass
 class Item:
     kind: str  # "image" | "video" | "audio"
-    values: torch.Tensor  # image/video: [patches, C*T*P*P], uint8 pixels or normalised floats; audio: [mel_bins, frames]
+    values: torch.Tensor  # image/video: [patches, C*T*P*P] uint8 or normalised; audio: [mel_bins, frames]
     grid_thw: tuple[int, int, int] | None = None
 
 
@@ -29,7 +28,7 @@ class Item:
 class Encoded:
     embeds: torch.Tensor  # [tokens, H]
     deepstack: list[torch.Tensor] = field(default_factory=list)
-    ready: object = None  # a CUDA event recorded after the step that made them (None on the CPU)
+    ready: object = None  # a CUDA event after the step that made them
 
 
 @dataclass
@@ -38,7 +37,7 @@ class EncodeJob:
     done: bool = False
     seconds: float = 0.0
     submitted: float = field(default_factory=time.perf_counter)
-    started: float = 0.0  # when a step took it (its wait in the queue: started - submitted)
+    started: float = 0.0  # when a step took it
 
 
 class Encoder:
@@ -47,7 +46,7 @@ class Encoder:
         args = model.dir, device, self.dtype, model.load_format, model.seed
         self.vision = use_varlen_attention(load_component("vision", *args))
         self.audio = use_varlen_attention(load_component("audio", *args))
-        self.plans = VisionPlans(self.vision, self.device)  # what the vision tower derives from its grids, kept
+        self.plans = VisionPlans(self.vision, self.device)
         graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.vision_graphs = VisionGraphs(self.vision, self.plans, self.device) if graphs else None
         vc = self.vision.config
@@ -56,13 +55,12 @@ class Encoder:
         self.pixels = PixelNorm(model.dir)  # uint8 patches normalised here, on the towers' device
 
     def warm(self, image_side: int = 512, clip_seconds: float = 7.0) -> None:
-        """One image of `image_side` pixels square and one clip of `clip_seconds` through the towers, so what
-        they allocate at first use is done before a request waits for it (on a GPU, that image's graph captured)."""
+        """An image and a clip through the towers, so first-use allocations (and that image's graph) come early."""
         vc = self.vision.config
         side = image_side // (vc.patch_size * vc.spatial_merge_size) * vc.spatial_merge_size  # patches a side
         image = Item("image", torch.zeros(side * side, self.patch_width, dtype=torch.uint8), (1, side, side))
         clip = Item("audio", torch.zeros(self.mel_bins, int(clip_seconds * 100)))
-        if self.vision_graphs is not None:  # one image of that size: captured now, not at its second request
+        if self.vision_graphs is not None:
             self.vision_graphs.capture(self.pixels(image.values.to(self.device), self.dtype), ((1, side, side),))
         self.step([EncodeJob([image, clip])])
 
@@ -91,7 +89,7 @@ class Encoder:
         for job in jobs:
             job.started = started
         out = self._encode(jobs)
-        if self.device.type == "cuda":  # the transport copies them once this is reached, not after later steps
+        if self.device.type == "cuda":  # the transport copies after this, not after later steps
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
             for _, encoded in out:
@@ -124,8 +122,7 @@ class Encoder:
         return [(job, [encoded[id(i)] for i in job.items]) for job in jobs]
 
     def _vision(self, pixels: torch.Tensor, grids) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The vision tower's merged embeddings and DeepStack features for normalised patches of `grids`: from a
-        graph or eagerly, its grid-derived inputs precomputed either way."""
+        """Merged embeddings and DeepStack features of normalised patches, from a graph or eagerly."""
         if self.vision_graphs is not None:
             return self.vision_graphs(pixels, grids)
         out = self.vision(pixels, **self.plans(grids))

@@ -1,11 +1,8 @@
 """What the vision tower computes from its items' grids alone, made once per list of grids.
 
-transformers' Qwen3-Omni vision tower derives from `grid_thw` the interpolated position-embedding taps, the rotary
-position ids, the packed items' boundaries (cu_seqlens) and the longest item, each with host reads of device values
-(`.tolist()`, a tensor-sized `arange`, `.max().item()`): a call waits for the device before it can queue its
-layers. Its forward takes all of them precomputed, as keyword arguments (transformers.vision_utils): made here once
-for each distinct list of grids on the tower's device, a call with them reads nothing back, and could be captured.
-"""
+The tower derives position taps, rotary ids, cu_seqlens and the longest item from `grid_thw` with host reads of
+device values, so a call waits before it queues its layers. Precomputed here and passed as keyword arguments, a
+call reads nothing back and can be captured."""
 
 from collections import OrderedDict
 
@@ -23,10 +20,10 @@ class VisionPlans:
     def __init__(self, tower: torch.nn.Module, device: torch.device, size: int = 64):
         self.tower, self.device, self.size = tower, torch.device(device), size
         self.plans: OrderedDict[Grids, dict] = OrderedDict()
-        self.made = 0  # plans computed (a miss), for tests and curiosity
+        self.made = 0  # misses
 
     def __call__(self, grids: Grids) -> dict:
-        """The keyword arguments for `tower(pixels, **plan)`: grid_thw and everything the tower would derive from it."""
+        """The keyword arguments for `tower(pixels, **plan)`."""
         plan = self.plans.get(grids)
         if plan is None:
             plan = self.plans[grids] = self._make(grids)

@@ -1,5 +1,5 @@
 from services.gateway.server import build
 from services.runtime.server import main
 
-# The public API's own size limit: a request over it fails with RESOURCE_EXHAUSTED before it is parsed.
+# A request over the public limit fails with RESOURCE_EXHAUSTED before it is parsed
 main("gateway", build, max_message_bytes=lambda cfg: cfg.limits.max_request_bytes)

@@ -45,8 +45,7 @@ class Detokenizer:
         return pending[:len(pending) - keep]
 
     def flush(self) -> str:
-        """At the end: text held back for a stop string that never came, and bytes that never completed
-        a character (decoded as U+FFFD, as a whole decode would)."""
+        """At the end: text held back for a stop string, and incomplete bytes as U+FFFD (as a whole decode gives)."""
         if self.stopped:
             return ""
         tail = self._decode(self.ids[self._prefix:])[len(self._decode(self.ids[self._prefix:self._read])):]

@@ -169,8 +169,7 @@ class Gateway:
             pre = await pre_ep.stub.Process(
                 preprocess_pb2.PreprocessRequest(request_id=rid, items=items, placement=_placement(encoder_ep, self.cfg.transport.shm)), timeout=progress.left())
         progress.add_timings(pre.timings)
-        # The calls as the gateway waited for them (the stage's work, its queue, the messages): beside the stages'
-        # own counts they show where a time to first token waits.
+        # As the gateway waited (work, queue, messages): beside the stages' own, where a first token waits
         progress.timings["gateway_preprocess"] = time.perf_counter() - t0
         media = [MediaRef(MEDIA_KINDS[f.kind], f.num_tokens, tuple(f.grid_thw) or None, f.feature_length, f.second_per_grid) for f in pre.items]
         prompt = self._build_prompt(r, media)

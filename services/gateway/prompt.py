@@ -46,8 +46,7 @@ class PromptBuilder:
                 raise InvalidArgument(f"{where}: text contains the reserved token {token!r}")
 
     def build(self, messages: list[dict], media: list[MediaRef]) -> Prompt:
-        """`messages`: [{"role", "content": [{"type": "text", "text"} | {"type": "image"|"audio"|"video"}]}],
-        the media parts in the same order as `media`."""
+        """`messages` in chat-template form, their media parts in the order of `media`."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):
             ids = list(ids["input_ids"])

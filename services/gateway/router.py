@@ -1,9 +1,7 @@
-"""Which replica of a stage takes a call: by the request's output modality where replicas say what
-they are preferred for, then by load. Load is this gateway's own calls in flight (fresh the moment it
-picks) plus other callers' work: what the replica last reported through its Load service (polled every
-`poll_s`) less this gateway's calls it may have counted, so a report taken while our own call ran never
-makes the replica look busy after that call ended. A replica whose last poll failed, or whose last call found
-it gone, is picked only when none answered."""
+"""Which replica of a stage takes a call: by the request's output modality where replicas are preferred for
+one, then by load. Load is this gateway's calls in flight plus what the replica last reported (polled every
+`poll_s`) less our calls it may have counted, so our own ended call never makes it look busy. A replica that
+stopped answering is picked only when none answers."""
 
 import asyncio
 import itertools
@@ -20,7 +18,7 @@ from services.runtime.server import STAGE_MESSAGE_BYTES, grpc_options
 
 log = logging.getLogger(__name__)
 
-LOAD_POLL_S = 0.1  # how often the gateway asks each replica of a stage with several for its load
+LOAD_POLL_S = 0.1  # for stages of several replicas
 
 
 @dataclass
@@ -44,9 +42,7 @@ class Endpoint:
 class Router:
     def __init__(self, replicas: list[Replica], stub_cls, by_modality: bool = False, poll_s: float = 0.0,
                  fixed: bool = False, stage: str = "stage"):
-        """`by_modality`: the replica preferred for a request's output modality while it is the least loaded
-        of them or idle; with `fixed`, that replica whatever its load (a fixed map, as the seed system routes).
-        `stage`: what the replicas are, for errors."""
+        """`by_modality`: the preferred replica while idle or least loaded; `fixed`: whatever its load."""
         self.by_modality, self.fixed, self.poll_s, self.stage = by_modality or fixed, fixed, poll_s, stage
         self.endpoints = []
         for i, r in enumerate(replicas):
@@ -84,9 +80,7 @@ class Router:
                 log.warning("%s: no load report (%s): routing around it", e.replica.address, exc.code().name)
             e.reachable, e.others = False, 0
             return
-        # Ours it may have counted: every call of ours that ran at some time between the ask and the answer
-        # (too few others rather than too many: an overestimate would steer work away from an idle replica
-        # until the next poll).
+        # Every call of ours between ask and answer: too few others rather than too many, which idles a replica
         counted = ours + (e.started - started)
         e.reachable, e.others, e.kv_used = True, max(0, r.in_flight - counted), r.kv_used
 
@@ -97,9 +91,7 @@ class Router:
 
     @contextmanager
     def use(self, endpoint: Endpoint):
-        """A call to `endpoint`, counted while it runs. One that finds the replica gone (UNAVAILABLE: its process
-        died or stopped) fails as Unavailable, naming the stage and the replica; with load reports polled, calls
-        then go to the other replicas until its next report answers."""
+        """A call to `endpoint`, counted; UNAVAILABLE becomes Unavailable, the replica avoided until it reports."""
         endpoint.in_flight += 1
         endpoint.started += 1
         try:
@@ -107,7 +99,7 @@ class Router:
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
-            if self.poll_s > 0 and len(self.endpoints) > 1:  # the poller marks it reachable again when it answers
+            if self.poll_s > 0 and len(self.endpoints) > 1:  # the poller marks it reachable again
                 endpoint.reachable = False
             raise Unavailable(f"{self.stage} replica {endpoint.index} ({endpoint.replica.address}) is unavailable: "
                               f"{exc.details()}") from exc

@@ -27,8 +27,7 @@ class Resolved:
 
 def _sampling(msg: omni_pb2.SamplingParams, defaults: dict, limit: int, where: str,
               stop_ids: tuple[int, ...] = ()) -> SamplingParams:
-    """`msg` over the model's `defaults` (temperature, top_p, top_k, repetition_penalty); at most `limit` tokens,
-    which is also the default."""
+    """`msg` over the model's `defaults`; at most `limit` tokens, also the default."""
     temperature = msg.temperature if msg.HasField("temperature") else defaults["temperature"]
     top_p = msg.top_p if msg.HasField("top_p") else defaults["top_p"]
     top_k = msg.top_k if msg.HasField("top_k") else defaults["top_k"]

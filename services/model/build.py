@@ -1,12 +1,8 @@
 """Model folders the project builds for itself, deterministically.
 
-`tiny`: a tiny random-weight Qwen3-Omni saved as a normal checkpoint folder. Every component of the
-real model is there (both towers, thinker MoE, talker MoE with its shared expert, code predictor,
-code2wav with the real upsampling), with a byte-level tokenizer carrying the special tokens and the
-real processor settings. Tests and the CPU mesh run on it.
-
-`full`: the real model's config, a tokenizer with the real special-token ids and the real processor
-settings, and no weights: stages load it with `load_format: random` (benchmarks; no checkpoint needed).
+`tiny`: a tiny random-weight Qwen3-Omni checkpoint with every component of the real one and a byte-level
+tokenizer with its special tokens; tests and the CPU mesh run on it. `full`: the real config, tokenizer ids and
+processor settings, no weights, for `load_format: random`.
 
     python -m services.model.build {tiny,full} OUT_DIR [--seed 0]
 """
@@ -59,9 +55,8 @@ REAL_IDS = {
 
 
 def build_tokenizer(real_ids: bool = False, vocab_size: int = 0):
-    """Byte-level BPE over the 256 ByteLevel symbols with merges only for the role words, and the
-    special tokens. With `real_ids`, every named token takes its released id and the rest of the
-    vocabulary up to `vocab_size` is filled with tokens no text produces."""
+    """Byte-level BPE with merges only for the role words, and the special tokens; `real_ids`: the released ids,
+    the vocabulary filled to `vocab_size` with tokens no text produces."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import Qwen2Tokenizer
 
@@ -159,8 +154,7 @@ def tiny_config_dict(tokenizer) -> dict:
 
 @torch.no_grad()
 def _set_waveform_level_(code2wav, seed: int, level: float = 0.15) -> None:
-    """Re-centres and scales code2wav's last (linear) convolution so random codes give speech-like
-    levels instead of silence or a clipped DC offset."""
+    """Scales code2wav's last convolution so random codes give speech-like levels, not silence or clipping."""
     cfg = code2wav.config
     codes = torch.randint(0, cfg.codebook_size, (2, cfg.num_quantizers, 40), generator=torch.Generator().manual_seed(seed))
     last = code2wav.decoder[-1].conv
@@ -186,7 +180,7 @@ def _save_processors(out: Path) -> None:
         feature_size=128, sampling_rate=16000, hop_length=160, n_fft=400, chunk_length=30,
         padding_value=0.0, return_attention_mask=True,
     )
-    # The released checkpoint keeps both processors' settings in one preprocessor_config.json.
+    # The released checkpoint keeps both processors' settings in one file
     merged = {**json.loads(feature_extractor.to_json_string()), **json.loads(image_processor.to_json_string())}
     merged.pop("mel_filters", None)
     merged["image_processor_type"] = "Qwen2VLImageProcessor"

@@ -1,12 +1,8 @@
 """Builds one component of a Qwen3-Omni checkpoint (thinker LM, towers, talker, code2wav) from its folder.
 
-Only the tensors a stage needs are read. Both expert layouts load: the released checkpoint's per-expert
-tensors (`experts.{E}.gate_proj.weight`, ...) and transformers' fused ones (`experts.gate_up_proj`); and
-block-scaled fp8 checkpoints (e4m3 weights with `weight_scale_inv` tiles), dequantised into the model's dtype,
-their experts also readable as stored (`read_fp8_experts`).
-Loading is strict: a parameter the checkpoint does not cover is an error, never a silent random init.
-With `load_format="random"` no file is read: weights are drawn from a seeded generator on the device.
-"""
+Only the tensors a stage needs are read; per-expert and fused expert layouts load, and block-fp8 checkpoints
+(dequantised, or their experts as stored: `read_fp8_experts`). Loading is strict: an uncovered parameter is an
+error, never a silent random init. `load_format="random"` reads no file: seeded weights drawn on the device."""
 
 import json
 import math
@@ -64,7 +60,7 @@ def load_config(model_dir: str | Path | None):
 
     path = Path(model_dir) / "config.json" if model_dir else FULL_CONFIG_PATH
     config = Qwen3OmniMoeConfig(**json.loads(path.read_text()))
-    # transformers' talker reads the audio settings from its own config (see MODEL.md).
+    # transformers' talker reads the audio settings from its own config (MODEL.md)
     config.talker_config.audio_config = config.thinker_config.audio_config
     return config
 
@@ -106,12 +102,11 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-FP8_SCALE = ".weight_scale_inv"  # beside `X.weight` in e4m3, one float32 scale per tile (DeepSeek / Qwen FP8 releases)
+FP8_SCALE = ".weight_scale_inv"  # beside an e4m3 `X.weight`, a float32 scale per tile
 
 
 def checkpoint_fp8_block(model_dir: str | Path | None) -> int | None:
-    """The tile size of a block-scaled fp8 checkpoint (`quantization_config`: quant_method fp8, square
-    `weight_block_size`), or None for a checkpoint in 16 or 32 bits."""
+    """The tile size of a block-scaled fp8 checkpoint (`quantization_config`), or None."""
     if model_dir is None or not (Path(model_dir) / "config.json").exists():
         return None
     qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
@@ -148,9 +143,7 @@ def dequantize_checkpoint(tensors: dict[str, torch.Tensor], block: int) -> dict[
 
 
 def read_fp8_experts(model_dir: str | Path, name: str, block: int) -> dict[str, tuple[torch.Tensor, ...]]:
-    """The routed experts of a block-fp8 checkpoint as they are stored, per experts module (its name in the
-    model): (gate_up [E, 2I, H], its scales [E, 2I/b, H/b], down [E, H, I], its scales), for fp8 experts that
-    run on exactly the checkpoint's values. Needs I and H to be whole tiles (gate and up tiles stay apart)."""
+    """A block-fp8 checkpoint's experts as stored, by module: (gate_up [E, 2I, H], scales, down [E, H, I], scales)."""
     tensors = read_tensors(model_dir, COMPONENTS[name].prefix, lambda k: ".experts." in k)
     groups: dict[str, dict[str, dict[int, tuple]]] = defaultdict(lambda: defaultdict(dict))
     for key, q in tensors.items():
@@ -214,7 +207,7 @@ def load_weights_(module: nn.Module, name: str, model_dir: str | Path | None, dt
         return module
     children = {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
     tensors = read_tensors(model_dir, COMPONENTS[name].prefix, lambda k: k.split(".", 1)[0] in children)
-    if block := checkpoint_fp8_block(model_dir):  # fp8 weights in 16 bits here; fp8 experts may read them as stored
+    if block := checkpoint_fp8_block(model_dir):  # fp8 experts may read them as stored instead
         tensors = dequantize_checkpoint(tensors, block)
     state = fuse_experts(tensors)
     expected = module.state_dict()
@@ -235,8 +228,7 @@ def component_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_full_model_(model: nn.Module, seed: int) -> None:
-    """Gives a whole transformers Qwen3-Omni the weights `load_component(..., load_format="random")` gives
-    each of its components, so the transformers baseline and our stages run the same model."""
+    """Gives a whole transformers Qwen3-Omni the random weights each component gets, so baseline and stages agree."""
     init_weights_(model.thinker, component_seed(seed, "thinker"), skip=("visual.", "audio_tower."), lm=True)
     init_weights_(model.thinker.visual, component_seed(seed, "vision"))
     init_weights_(model.thinker.audio_tower, component_seed(seed, "audio"))
@@ -245,14 +237,12 @@ def init_full_model_(model: nn.Module, seed: int) -> None:
         init_weights_(model.code2wav, component_seed(seed, "code2wav"), conv_gain=0.6)
 
 
-# A language model's projections back into its residual stream, in decoder layer `i` (attention output, MLP and
-# experts down projections): scaled by 1 / sqrt(2 x layers) in random weights (see init_weights_).
+# Projections back into the residual stream of decoder layer `i`, scaled in random weights (init_weights_)
 _RESIDUAL_OUT = re.compile(r"^(?P<stack>(.*\.)?layers)\.(?P<i>\d+)\.(self_attn\.o_proj\.weight|mlp\.(experts\.)?down_proj(\.weight)?"
                            r"|mlp\.shared_expert\.down_proj\.weight)$")
 
 
 def _residual_scales(names: list[str]) -> dict[str, float]:
-    """1 / sqrt(2 x layers of its stack) for each residual output projection among `names`."""
     layers: dict[str, int] = defaultdict(int)
     matches = {n: m for n in names if (m := _RESIDUAL_OUT.match(n))}
     for m in matches.values():
@@ -263,20 +253,12 @@ def _residual_scales(names: list[str]) -> dict[str, float]:
 @torch.no_grad()
 def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tuple[str, ...] = (),
                   lm: bool = False) -> None:
-    """Draws every parameter from one seeded generator on the module's device, in name order.
+    """Draws every parameter from one seeded generator on the module's device, in name order: norms near 1, biases
+    near 0, the rest ~ N(0, 1/fan_in), convolutions scaled by `conv_gain`.
 
-    Norm weights near 1 (1 + N(0, 0.01)), biases near 0, every other tensor ~ N(0, 1/fan_in); convolutions are
-    scaled by `conv_gain`. The same seed gives the same weights wherever the same module is built.
-
-    `lm` (the thinker, the talker): token embeddings ~ N(0, 1) and each decoder layer's residual output
-    projections scaled by 1 / sqrt(2 x layers), as language models are initialised for training. With every
-    tensor at 1/fan_in instead, a token's embedding is small beside what attention averages over its context,
-    so requests whose prompts share their few token types (the benchmark's chat-template ASCII) reach every
-    layer nearly alike and choose the same experts: 16 requests chose 47 distinct experts a layer, not the 82
-    that 16 x 8 independent choices of 128 give and that random-id prompts reach (the thinker's full width,
-    10 layers, on the CPU). The experts a step reads are its cost, so a benchmark on such weights reads half of
-    what real weights make it read. With these scales the same prompts reach 80 (bench/results/
-    cpu-routing-10-layers*.json, `python -m bench.routing`).
+    `lm`: embeddings ~ N(0, 1) and residual output projections scaled by 1 / sqrt(2 x layers), as for training.
+    Otherwise embeddings are small beside attention's average, similar prompts choose the same few experts, and a
+    benchmark reads far fewer expert weights than real weights make it read.
     """
     params = sorted(((n, p) for n, p in module.named_parameters() if not n.startswith(skip)), key=lambda kv: kv[0])
     residual = _residual_scales([n for n, _ in params]) if lm else {}
@@ -288,8 +270,8 @@ def init_weights_(module: nn.Module, seed: int, conv_gain: float = 1.0, skip: tu
 
     for name, p in params:
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name and leaf in ("weight", "gamma"):  # near 1, each its own: a test sees one norm's weight
-            p.copy_(1.0 + 0.1 * randn(p.shape))              # used in another's place (all 1 hid that)
+        if "norm" in name and leaf in ("weight", "gamma"):  # not all 1: a test then sees norms swapped
+            p.copy_(1.0 + 0.1 * randn(p.shape))
         elif leaf in ("bias", "beta"):
             p.copy_(randn(p.shape) * 0.02)
         elif leaf == "scale":

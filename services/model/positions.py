@@ -1,10 +1,7 @@
 """Multimodal RoPE positions (3 rows: time, height, width) for one prompt, as Qwen3-Omni lays them out.
 
-Text advances all three rows together; an image or video takes its (t, h, w) grid positions after the
-text before it; audio advances time like text. Prompts with no image and no video get plain
-0, 1, 2, ... (transformers' `get_rope_index` does the same). Generated token i then sits at
-len(prompt) + i + rope_delta in every row.
-"""
+Text and audio advance all three rows together; an image or video takes its (t, h, w) grid after the text
+before it. Generated token i then sits at len(prompt) + i + rope_delta in every row."""
 
 from dataclasses import dataclass, field
 
@@ -43,13 +40,12 @@ def _vision_positions(start: np.float32, grid: tuple[int, int, int], merge: int,
 
 
 def mrope_positions(ids: np.ndarray | list[int], layout: Layout, tok: MropeTokens) -> tuple[np.ndarray, float]:
-    """Positions [3, L] and the rope delta for generated tokens, in float32 as the model uses them
-    (a video sampled at a fractional rate has fractional time positions)."""
+    """-> (positions [3, L] float32, the rope delta); a video at a fractional rate has fractional times."""
     ids = np.asarray(ids, dtype=np.int64)
     n = len(ids)
     if not layout.image_grid_thw and not layout.video_grid_thw:
         return np.broadcast_to(np.arange(n, dtype=np.float32), (3, n)).copy(), 0.0
-    # float32 throughout, in transformers' order of operations, so fractional positions match bit for bit.
+    # float32 in transformers' order of operations, so fractional positions match bit for bit
     pieces: list[np.ndarray] = []
     next_pos = F32(0)  # max position so far + 1
 

@@ -6,8 +6,7 @@ from functools import cached_property
 from pathlib import Path
 
 FULL_CONFIG_PATH = Path(__file__).with_name("qwen3-omni-30b-a3b-instruct.config.json")
-# Sampling a request gets where it sets nothing: the thinker's as Qwen recommends for the instruct model (a
-# checkpoint's generation_config.json takes precedence), the talker's and its code predictor's transformers' own.
+# Defaults: the thinker's as Qwen recommends (generation_config.json first), the talker's transformers'
 THINKER_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.0}
 TALKER_SAMPLING = {"temperature": 0.9, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.05}
 

@@ -1,12 +1,8 @@
 """Media bytes -> model-ready features: images and video frames to patches, audio to log-mel.
 
-Everything is checked before it is decoded in full: format, pixel count (decompression bombs),
-duration, and every failure says what was wrong with which item.
-
-Patches leave here as the resized image's own bytes (uint8), not normalised: a quarter of the bytes to
-hand from the decoder process to the server and on to the encoder, and no float pass on the CPU. The
-encoder normalises them on its device (`PixelNorm`), to the same floats the processor would have made.
-"""
+Everything is checked before it is decoded in full (format, pixel count, duration), and every failure names its
+item. Patches leave as uint8, a quarter of float32's bytes and no float pass on the CPU; the encoder normalises
+them on its device (`PixelNorm`) to the processor's floats."""
 
 import io
 import json
@@ -25,7 +21,7 @@ from services.runtime.errors import InvalidArgument, ResourceExhausted
 
 IMAGE_FORMATS = {"PNG", "JPEG", "WEBP"}
 SAMPLE_RATE = 16000
-# The video processor's per-frame pixel range for this model (transformers' Qwen3-Omni video defaults).
+# transformers' Qwen3-Omni video defaults
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
 
 
@@ -74,8 +70,7 @@ class Preprocessor:
         self.merge = self.images.merge_size
 
     def image(self, data: bytes, where: str = "image") -> Features:
-        """The processor's patches (resized by PIL as it resizes, in uint8 throughout: its own float pass took
-        half an image's time here, with the decode the other half), the same bytes."""
+        """The processor's patches, the same bytes, resized as it resizes but in uint8 (its float pass is slow)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         img = open_image(data, self.limits, where)
@@ -90,9 +85,7 @@ class Preprocessor:
         return Features("image", patches, grid[0] * grid[1] * grid[2] // self.merge**2, grid)
 
     def _patches(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """Frames [T, C, H, W] (uint8, H and W multiples of patch x merge) -> the processor's patches
-        [grid t * h * w, C * temporal patch * patch^2] and the grid (t, h, w): the last frame repeated to fill
-        the temporal patch, patches ordered by merge window."""
+        """Frames [T, C, H, W] uint8 -> (patches [t * h * w, C * T * P * P] by merge window, (t, h, w))."""
         ip = self.images
         t_patch, p, m = ip.temporal_patch_size, ip.patch_size, self.merge
         if pad := -len(pixels) % t_patch:
@@ -174,7 +167,7 @@ class Preprocessor:
 
             g = math.gcd(rate, SAMPLE_RATE)
             pcm = resample_poly(pcm, SAMPLE_RATE // g, rate // g).astype(np.float32)
-        if len(pcm) <= self.audio.n_fft // 2:  # the spectrogram's first window reflects this many samples each side
+        if len(pcm) <= self.audio.n_fft // 2:  # the first window reflects this many samples each side
             raise InvalidArgument(f"{where}: audio is too short ({len(pcm)} samples at {SAMPLE_RATE} Hz; "
                                   f"at least {self.audio.n_fft // 2 + 1})")
         out = self.audio([pcm], sampling_rate=SAMPLE_RATE, padding=True, truncation=False, return_attention_mask=True, return_tensors="np")
@@ -184,9 +177,7 @@ class Preprocessor:
 
 
 class PixelNorm:
-    """Patches of uint8 pixels [N, C*T*P*P] (channel-major, as the processor lays them out) to the model's input:
-    rescaled and normalised per channel in float32, the image processor's own steps and constants
-    (preprocessor_config.json), then cast. Float patches pass through as they are (already normalised)."""
+    """uint8 patches [N, C*T*P*P] normalised as the image processor does; float patches pass through."""
 
     def __init__(self, model_dir):
         cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())

@@ -1,6 +1,5 @@
-"""Preprocess stage: decodes and prepares media on a pool of worker processes, hands features on by reference.
-Processes keep decoding off the server's interpreter: the event loop and the transport never wait for a decoder
-holding the GIL, and decoders run side by side on every core given."""
+"""Preprocess stage: decodes media on a pool of worker processes, hands features on by reference. Processes keep
+decoders off the server's interpreter lock, and run side by side on every core given."""
 
 import asyncio
 import logging
@@ -59,9 +58,7 @@ def _init_worker(model_dir, limits, n_window) -> None:
 
 
 def single_threaded() -> None:
-    """One thread per decoder: the pool runs decoders side by side, and torch's intra-op threads on top of
-    it fight over the cores (a 7 s clip's log-mel takes 5 ms on one thread and over 100 ms with a thread per
-    core while its neighbours do the same)."""
+    """One thread per decoder: torch's intra-op threads on top of the pool's fight over the cores, many times slower."""
     torch.set_num_threads(1)
 
 
@@ -94,8 +91,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
             try:
                 return await asyncio.wrap_future(pool.submit(_prepare_in_worker, index, payload))
             except BrokenProcessPool:
-                # A worker died (killed, out of memory, a decoder crashed): a new pool, and one more try, so
-                # an item that itself kills its worker fails alone after two pools.
+                # A new pool and one more try: an item that kills its worker fails alone after two
                 if self.pool is pool:
                     log.error("a preprocess worker process died; starting a new pool")
                     self.pool = self._new_pool()
@@ -120,8 +116,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
 
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
-    # This process only moves bytes: a copy split over a thread per core leaves each spinning for its next task.
-    single_threaded()
+    single_threaded()  # this process only moves bytes: threads per core would spin between copies
     pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
     transport = Transport(cfg.transport, f"preprocess{replica}")
     servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers)

@@ -291,8 +291,7 @@ def read_overridden(path: str | Path, overrides: list[str] = ()) -> dict:
 
 
 def write_overridden(path: str | Path, overrides: list[str], out: str | Path) -> Path:
-    """The config at `path` with `overrides` applied, written whole to `out` (for processes that read their config
-    from a file: the stages of a launched mesh). Without overrides, `path` itself."""
+    """The config at `path` with `overrides`, written to `out` for the stages to read; without overrides, `path`."""
     if not overrides:
         return Path(path)
     out = Path(out)

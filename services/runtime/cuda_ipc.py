@@ -1,10 +1,7 @@
 """GPU pools shared between processes of one host through CUDA IPC.
 
-A producer allocates one buffer per GPU once and exports its IPC handle once; every ref carries that
-handle, and a consumer maps each pool the first time it sees it and keeps the mapping. A consumer on
-another GPU reads through peer access (PyTorch's copy between GPUs). The slot table (release, reclaim) is a
-ShmPool without host data. Exported memory must not come from expandable segments: PyTorch cannot share those.
-"""
+A producer exports one buffer per GPU once; every ref carries its handle, and a consumer maps each pool once.
+The slot table is a ShmPool without host data. Expandable segments cannot be shared, so they are refused."""
 
 import contextlib
 import os
@@ -17,7 +14,7 @@ from services.runtime.transport import ShmPool
 
 
 def _check_allocator() -> None:
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")  # PyTorch's own switch, read where it matters
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")  # PyTorch's own variable
     if "expandable_segments:true" in conf.replace(" ", "").lower():
         raise RuntimeError("CUDA IPC pools need PYTORCH_CUDA_ALLOC_CONF without expandable_segments:True")
 
@@ -29,7 +26,7 @@ class CudaPool:
         _check_allocator()
         self.device = device
         self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        self.stream = _stream(device)  # made here, before any put: not while the stage's stream is busy
+        self.stream = _stream(device)  # made before any put, not while the stage's stream is busy
         self.table = ShmPool(f"omni-{owner}-cuda{device.index}-{os.getpid()}", size, max_slots, reclaim_after_s, host_data=False)
         _, args = reduce_tensor(self.buffer)
         (_, _, _, _, _, _, dev, handle, storage_bytes, storage_offset, _, ref_handle, ref_offset, event_handle, event_sync) = args
@@ -40,9 +37,7 @@ class CudaPool:
         )
 
     def put(self, parts: list[torch.Tensor], ready: torch.cuda.Event | None = None) -> tensor_pb2.CudaIpcSlot | None:
-        """Copies `parts` (one tensor, or several laid end to end: a stack without stacking them) into a slot, the
-        bytes there when this returns. With `ready` (recorded after the tensors' producer) the copies wait for that
-        alone, on a stream of their own, not for work the stage queued since (its engine's next step)."""
+        """Copies `parts` end to end into a slot, done on return; with `ready`, on a side stream waiting only for it."""
         sizes = [t.numel() * t.element_size() for t in parts]
         got = self.table.alloc(sum(sizes))
         if got is None:
@@ -65,7 +60,7 @@ class CudaPool:
 
 
 def open_pool(handle: tensor_pb2.CudaPoolHandle) -> torch.Tensor:
-    """The producer's whole buffer, mapped into this process (done once per pool)."""
+    """The producer's whole buffer, mapped into this process."""
     torch.cuda.init()
     return rebuild_cuda_tensor(
         torch.Tensor, (handle.pool_bytes,), (1,), 0, torch.UntypedStorage, torch.uint8, handle.device, handle.handle,
@@ -85,22 +80,16 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def read(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple, device) -> torch.Tensor:
-    """A copy, on `device`, of the tensor at `offset` of a mapped pool; complete when this returns.
-
-    The copy runs on a stream of its own and only it is waited for: the producer finished writing before it
-    sent the ref, so nothing queued in this process need come first, and a stage whose engine keeps the
-    device busy does not hold up the thread that takes in its inputs."""
+    """A copy on `device` of the tensor at `offset`, on the transport's streams: nothing queued here need come first."""
     target = torch.device(device)
     source = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
-    # From another GPU, torch copies on the source GPU's current stream after the target's current stream: both
-    # are the transport's here, or the copy would wait for whatever this process queued on the default ones.
+    # Across GPUs torch copies on both devices' current streams: both the transport's here
     streams = [_stream(buffer.device)] + ([_stream(target)] if target.type == "cuda" and target != buffer.device else [])
     with contextlib.ExitStack() as on:
         for stream in streams:
             on.enter_context(torch.cuda.stream(stream))
         out = source.to(target, copy=True)
-    streams[-1].synchronize()  # the target's stream waits for the copy
+    streams[-1].synchronize()
     if target.type == "cuda":
-        # Allocated on the read stream, used on the consumer's: its memory is not reused before that use is done.
-        out.record_stream(torch.cuda.current_stream(target))
+        out.record_stream(torch.cuda.current_stream(target))  # made on the read stream, used on the consumer's
     return out

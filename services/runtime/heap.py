@@ -1,15 +1,13 @@
-"""The heap a stage builds before it serves (its model, compiled code, graphs, tokenizer) kept out of the garbage
-collector's full passes. Millions of long-lived objects make each full collection a pause of hundreds of ms, taken
-wherever allocation happens to cross the threshold: in the middle of a decode step (the talker at 32 requests
-stalled 450-550 ms once a run, session 18). Freezing what exists once serving starts leaves the collector only the
-objects made after."""
+"""The heap a stage builds before it serves (model, compiled code, graphs, tokenizer) kept out of the garbage
+collector's full passes: millions of long-lived objects make each a long pause, wherever allocation happens to
+cross the threshold, in the middle of a decode step too. Frozen, they leave the collector only newer objects."""
 
 import gc
 import time
 
 
 def freeze() -> int:
-    """One full collection, then everything left moved to the permanent generation (gc.freeze); the count moved."""
+    """One full collection, then everything left frozen (gc.freeze) -> the count frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -34,7 +34,7 @@ SHM_RECLAIMED = Counter("omni_shm_slots_reclaimed", "Slots reclaimed after their
 SHM_FALLBACKS = Counter("omni_shm_fallbacks", "Tensors sent another way because their pool was full", ["pool"])
 
 STAGE = "unknown"
-_IN_FLIGHT = 0  # RPCs in progress in this process, every method (what services.runtime.load reports)
+_IN_FLIGHT = 0  # RPCs in progress, every method (what the Load service reports)
 
 
 def in_flight() -> int:
@@ -60,8 +60,7 @@ async def _abort(context, exc: BaseException):
     if isinstance(exc, OmniError):
         await context.abort(exc.code, str(exc))
     if isinstance(exc, grpc.aio.AioRpcError):
-        # A downstream stage failed: pass its status and message on.
-        await context.abort(exc.code(), exc.details() or "")
+        await context.abort(exc.code(), exc.details() or "")  # a downstream stage's status, passed on
     log.exception("internal error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -151,5 +150,4 @@ async def _end(context, exc: BaseException) -> None:
 
 
 def _is_cancel(exc: BaseException) -> bool:
-    # GeneratorExit: the caller went away while a stream was being produced.
-    return isinstance(exc, (asyncio.CancelledError, GeneratorExit))
+    return isinstance(exc, (asyncio.CancelledError, GeneratorExit))  # GeneratorExit: the caller left mid-stream

@@ -28,10 +28,8 @@ from services.runtime.worker import use_device
 
 log = logging.getLogger(__name__)
 
-# Stages hand tensors inline when they cannot share memory; the gateway's own limit is the request size.
-STAGE_MESSAGE_BYTES = 1 << 30
-# How long an engine's thread may wait for the interpreter lock while the server's thread holds it: Python's
-# default, 5 ms, would be paid after each of the engine's device waits while the server is busy.
+STAGE_MESSAGE_BYTES = 1 << 30  # stages hand tensors inline where they cannot share memory
+# An engine thread's wait for the interpreter lock: Python's default would follow each of its device waits
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -40,8 +38,7 @@ class Stage:
     """What a stage registered on the server, and what to run when it stops."""
     services: list[str]
     close: Callable[[], Awaitable[None]] | None = None
-    # Engine stages: the engine's queue and state (EngineWorker.load), reported through the Load service.
-    load: Callable[[], dict] | None = None
+    load: Callable[[], dict] | None = None  # EngineWorker.load, for the Load service
 
 
 Builder = Callable[[MeshConfig, int, grpc.aio.Server], Awaitable[Stage]]
@@ -53,8 +50,7 @@ _HANDLERS = {
 
 
 def add_service(server: grpc.aio.Server, servicer, service) -> str:
-    """Registers `servicer` for `service` (a ServiceDescriptor). Requests that do not parse reach the
-    method as `BadMessage`, which `metrics.rpc` answers with INVALID_ARGUMENT naming the problem."""
+    """Registers `servicer` for `service`; unparsable requests arrive as `BadMessage` (INVALID_ARGUMENT)."""
     handlers = {}
     for m in service.methods:
         request_cls = message_factory.GetMessageClass(m.input_type)
@@ -68,8 +64,7 @@ def add_service(server: grpc.aio.Server, servicer, service) -> str:
 
 def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: int, engine, make_servicer, service,
                  exports_gpu_tensors: bool = False) -> Stage:
-    """An engine-backed stage: the engine on its own thread, a transport (with its GPU pool allocated and
-    exported before serving, for stages that hand GPU tensors on), the servicer registered."""
+    """An engine on its own thread, a transport (its GPU pool made before serving), the servicer registered."""
     from services.runtime.transport import Transport
     from services.runtime.worker import EngineWorker
 
@@ -90,7 +85,7 @@ def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: 
 
 
 class LoadServicer:
-    """What this process is working on, for callers choosing among replicas (not counted as a request itself)."""
+    """What this process is working on, for callers choosing among replicas (not itself counted)."""
 
     def __init__(self, stage: str, replica: int, engine_load: Callable[[], dict] | None,
                  in_flight: Callable[[], int] = metrics.in_flight):
@@ -124,7 +119,7 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     reflection.enable_server_reflection(names, server)
     if server.add_insecure_port(r.bind_address) == 0:
         raise RuntimeError(f"{stage}: cannot listen on {r.bind_address}")
-    stop = asyncio.Event()  # set by SIGINT or SIGTERM from here on: a stage that says it serves can be stopped
+    stop = asyncio.Event()  # a stage that says it serves can be stopped
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -134,9 +129,7 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     log.info("%s[%d] serving on %s (metrics :%d)", stage, replica, r.bind_address, r.metrics_port)
     await stop.wait()
     log.info("%s[%d] stopping", stage, replica)
-    # Stopping already: a later signal (the launcher's SIGTERM behind a group's SIGINT) must not cut the exit short,
-    # here or after the loop closes (which would put back the default handlers, under which the stage dies of it).
-    # A stop that hangs is ended by SIGKILL: the launcher's after its grace, as docker's after its own.
+    # A later signal (the launcher's SIGTERM behind a SIGINT) must not cut the exit short; a hung stop gets SIGKILL
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
@@ -147,8 +140,7 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
 
 
 def die_with_launcher() -> None:
-    """A stage started by services.launch (OMNI_LAUNCHER_PID) gets SIGTERM from the kernel when the launcher dies,
-    even killed with SIGKILL (PR_SET_PDEATHSIG); one whose launcher died before it asked exits now."""
+    """A launched stage (OMNI_LAUNCHER_PID) gets SIGTERM when the launcher dies, even by SIGKILL (PR_SET_PDEATHSIG)."""
     launcher = os.environ.get("OMNI_LAUNCHER_PID")
     if not launcher or not sys.platform.startswith("linux"):
         return

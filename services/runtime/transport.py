@@ -1,12 +1,6 @@
-"""Tensors between stages: by reference on one host (CUDA IPC for GPU tensors between GPU processes,
-shared memory otherwise), inline bytes across hosts. Stage code calls `put` and `get`, never more.
-
-A producer owns pools: one in /dev/shm for host tensors, one per GPU for device tensors (see
-cuda_ipc.py), each with a slot table in /dev/shm. A TensorRef names (pool, slot, generation, offset,
-bytes). The consumer maps each pool once, copies the tensor out and marks the slot released in the
-table; the producer frees released slots, and reclaims slots nobody released (a consumer that died, a
-request cancelled in between) after `reclaim_after_s`.
-"""
+"""Tensors between stages: by reference on one host (CUDA IPC for GPU tensors, shared memory otherwise), inline
+bytes across hosts. A producer's pools each have a slot table in /dev/shm; the consumer copies a tensor out and
+marks its slot released; the producer frees released slots and reclaims the rest after `reclaim_after_s`."""
 
 import atexit
 import logging
@@ -28,9 +22,9 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64
 MAX_SLOTS = 4096  # refs a pool has out at once
-INLINE_BYTES = 16384  # a host tensor this small goes inside the message (a speech request's states for one token)
-SHM_DOMAIN = "local"  # every process of one config shares /dev/shm (one host, one IPC namespace); off: inline bytes
-SWEEP_EVERY_S = 0.002  # a put frees its pool's released slots at most this often (and whenever it finds no room)
+INLINE_BYTES = 16384  # host tensors this small go inside the message (a token's speech states)
+SHM_DOMAIN = "local"  # one config's processes share /dev/shm (one host, one IPC namespace)
+SWEEP_EVERY_S = 0.002  # a put frees released slots at most this often, and whenever it finds no room
 _SLOT = np.dtype([("generation", "<u4"), ("released", "<u4"), ("offset", "<u8"), ("nbytes", "<u8"), ("t_alloc", "<f8")])
 
 DTYPES = {
@@ -50,8 +44,7 @@ def clean_stale_pools() -> None:
 
 
 class ShmPool:
-    """A producer's pool: a slot table and a first-fit allocator in one /dev/shm file. The data region
-    follows the table in the same file (`host_data`), or is a GPU buffer the offsets index (CUDA IPC)."""
+    """A slot table and first-fit allocator in a /dev/shm file; the data after the table, or in a GPU buffer."""
 
     def __init__(self, name: str, size: int, max_slots: int, reclaim_after_s: float, host_data: bool = True):
         self.name, self.reclaim_after_s = name, reclaim_after_s
@@ -67,12 +60,9 @@ class ShmPool:
         self.table = np.ndarray((max_slots,), dtype=_SLOT, buffer=self._mm)
         self.table[:] = 0
         self._free_slots = list(range(max_slots - 1, -1, -1))
-        # Slots handed out and not yet freed here (a consumer's release is seen at the next sweep): a mask, so a
-        # sweep reads the table's live rows at once instead of one numpy scalar per slot (an alloc swept every
-        # live slot first: 2 us each, half a millisecond a put with 256 in flight).
-        self._live = np.zeros(max_slots, dtype=bool)
+        self._live = np.zeros(max_slots, dtype=bool)  # a mask, so a sweep reads the live rows at once
         self._live_count = self._live_bytes = 0
-        self._swept = 0.0  # when alloc last swept (it sweeps at most every SWEEP_EVERY_S, or when it finds no room)
+        self._swept = 0.0
         self._gauges = metrics.SHM_SLOTS.labels(self.kind), metrics.SHM_BYTES.labels(self.kind)
         start = header if host_data else 0
         self._free = [(start, size)]  # (offset, nbytes), sorted, coalesced
@@ -90,7 +80,7 @@ class ShmPool:
             if now - self._swept >= SWEEP_EVERY_S:
                 self._sweep_locked()
             got = self._take_locked(need, now)
-            if got is None and now - self._swept > 0:  # released slots may be waiting to be freed: look once more
+            if got is None and now - self._swept > 0:  # released slots may be waiting: look once more
                 self._sweep_locked()
                 got = self._take_locked(need, now)
             self._update_gauges()
@@ -196,17 +186,15 @@ class _PoolView:
 
 
 class Transport:
-    """put() on the producer side, get() on the consumer side."""
-
     def __init__(self, cfg: TransportConfig, owner: str):
         self.cfg, self.owner = cfg, owner
         self.shm_domain = SHM_DOMAIN if cfg.shm else ""
         self._pool: ShmPool | None = None
         self._cuda_pools: dict = {}  # device -> CudaPool
         self._views: dict[str, _PoolView] = {}
-        self._mapped: dict[str, torch.Tensor] = {}  # GPU pools of other processes, mapped once
+        self._mapped: dict[str, torch.Tensor] = {}  # other processes' GPU pools
         self._lock = threading.Lock()
-        self._counters: dict[tuple[str, str], tuple] = {}  # (transport, direction) -> its two metrics' children
+        self._counters: dict[tuple[str, str], tuple] = {}  # looked up once: a labels() call is slow
 
     @property
     def pool(self) -> ShmPool:
@@ -218,7 +206,7 @@ class Transport:
             return self._pool
 
     def cuda_pool(self, device: torch.device):
-        """This process's pool on `device`, allocated and exported on first use (stages warm it at start)."""
+        """This process's pool on `device`, made on first use (stages warm it at start)."""
         from services.runtime.cuda_ipc import CudaPool
 
         with self._lock:
@@ -229,7 +217,6 @@ class Transport:
             return self._cuda_pools[device]
 
     def _count(self, transport: str, direction: str, nbytes: int) -> None:
-        # The labelled children looked up once: each lookup is a few microseconds, and a put or a get pays two.
         counters = self._counters.get((transport, direction))
         if counters is None:
             counters = self._counters[transport, direction] = (metrics.TRANSPORT_BYTES.labels(transport, direction),
@@ -239,10 +226,7 @@ class Transport:
 
     def put(self, tensor: torch.Tensor | list[torch.Tensor], placement: tensor_pb2.Placement | None,
             ready=None) -> tensor_pb2.TensorRef:
-        """A ref to `tensor` for a consumer at `placement`; a list of tensors of one shape and dtype goes as
-        their stack (one ref, one copy each into one slot: not stacked first). A CUDA tensor is read once it is
-        complete: after `ready` (a CUDA event recorded after its producer), else after everything queued on
-        the current stream. A host tensor of at most INLINE_BYTES goes inside the message."""
+        """A ref to `tensor` (a list: as its stack) for `placement`; a CUDA tensor is read after `ready` if given."""
         stacked = isinstance(tensor, (list, tuple))
         parts = [t.detach() for t in tensor] if stacked else [tensor.detach()]
         first = parts[0] if parts else None
@@ -262,7 +246,7 @@ class Transport:
                 self._count("cuda_ipc", "out", nbytes)
                 return ref
             metrics.SHM_FALLBACKS.labels(pool.table.kind).inc()
-        tensor = torch.stack(parts) if stacked else first  # by value from here: host memory or bytes
+        tensor = torch.stack(parts) if stacked else first
         if same_host:
             got = self.pool.alloc(nbytes)
             if got is not None:
@@ -277,7 +261,7 @@ class Transport:
         return ref
 
     def get(self, ref: tensor_pb2.TensorRef, device: str | torch.device = "cpu") -> torch.Tensor:
-        """The tensor a ref names, in this process's memory on `device`; its slot is released once read."""
+        """The tensor a ref names, on `device`; its slot is released once read."""
         dtype = TORCH_DTYPES.get(ref.dtype)
         if dtype is None:
             raise ValueError(f"TensorRef has unknown dtype {ref.dtype}")
@@ -309,14 +293,14 @@ class Transport:
             from services.runtime.cuda_ipc import read
 
             out = read(self._mapped_pool(s), s.offset, s.nbytes, dtype, shape, device)
-        if not live():  # reclaimed while we copied: what we read may be another tensor's
+        if not live():  # reclaimed while we copied: we may have read another tensor
             raise ValueError(f"slot {s.pool}/{s.slot} was reclaimed while it was read")
         entry["released"] = s.generation
         self._count("cuda_ipc" if where == "cuda" else "shm", "in", s.nbytes)
         return out
 
     def release(self, ref: tensor_pb2.TensorRef) -> None:
-        """Gives a ref's slot back without reading it (a consumer that no longer needs what it was sent)."""
+        """Gives a ref's slot back unread."""
         where = ref.WhichOneof("location")
         if where not in ("shm", "cuda"):
             return
@@ -347,11 +331,7 @@ class Transport:
 
 
 def _from_host(src: torch.Tensor, device, copy: bool = False) -> torch.Tensor:
-    """Host tensor `src` on `device` (a copy of it with `copy`: a pool slot's bytes). To a GPU it goes through
-    pinned memory on the transport's own stream, and only that stream is waited for: from pageable memory on the
-    caller's stream, the copy first waited for everything the stage's engine had queued there, so an encoder's
-    get of the next request's pixels waited for the batch being encoded, holding up the thread that takes in
-    requests."""
+    """`src` on `device`; to a GPU by pinned memory on the transport's stream, not waiting on the engine's work."""
     target = torch.device(device)
     if target.type != "cuda":
         return src.to(target, copy=copy)
@@ -359,7 +339,7 @@ def _from_host(src: torch.Tensor, device, copy: bool = False) -> torch.Tensor:
 
     stream = _stream(target)
     staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-    # Copied on this thread alone: torch's copy would split it over a thread per core and leave them spinning.
+    # numpy's copy on this thread: torch's would wake a thread per core
     np.copyto(staged.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
     with torch.cuda.stream(stream):
         out = staged.to(target, non_blocking=True)

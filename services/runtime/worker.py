@@ -1,8 +1,7 @@
 """Runs an engine on a thread of its own and connects it to the asyncio server.
 
-The engine sees plain request objects and returns outputs per step; it knows nothing of gRPC.
-Each request's outputs reach its RPC through an asyncio queue, then `DONE` (or an exception).
-"""
+The engine sees plain request objects and returns outputs per step; it knows nothing of gRPC. Each request's
+outputs reach its RPC through an asyncio queue, then `DONE` (or an exception)."""
 
 import asyncio
 import logging
@@ -18,9 +17,7 @@ DONE = object()
 
 
 def use_device(device: str) -> None:
-    """Makes `device` this thread's current GPU (a no-op on the CPU). CUDA keeps one per thread, GPU0 unless set:
-    work, streams and events that name no device go there, so without this a stage on GPU1 records its events
-    on GPU0's stream and its waits wait for nothing (its host read back codes the device had not written)."""
+    """Makes `device` this thread's current GPU: CUDA keeps one per thread, and events naming no device go there."""
     if device.startswith("cuda"):
         import torch
 
@@ -54,9 +51,7 @@ class Handle:
 
 
 def post_all(items: list[tuple[Handle, Any]]) -> None:
-    """Each (handle, item) onto its request's queue, in order, with one wake-up of each event loop for all of them:
-    a step's outputs for 64 requests are one write to the loop's self-pipe and one turn of the loop, not 64 (each
-    also takes the interpreter lock from the engine's thread)."""
+    """Each (handle, item) onto its request's queue, in order, with one wake-up of each event loop, not one per item."""
     by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
     for handle, item in items:
         by_loop.setdefault(id(handle.loop), (handle.loop, []))[1].append((handle.queue, item))
@@ -89,7 +84,7 @@ class EngineWorker:
         return handle
 
     def load(self) -> dict:
-        """Requests waiting to be admitted, requests the engine holds, and its KV cache use where it has one."""
+        """Requests waiting, requests held, and KV cache use."""
         allocator = getattr(getattr(self.engine, "scheduler", None), "allocator", None)
         kv = allocator.used / allocator.num_blocks if allocator is not None and allocator.num_blocks else 0.0
         return {"queued": len(self._new), "active": len(self._active), "kv_used": kv}
@@ -164,7 +159,7 @@ class EngineWorker:
                     self.engine.free(h.req)
                     posts.append((h, DONE))
                 self._active = [h for h in self._active if not h.req.done]
-            post_all(posts)  # the step's outputs, then the ends, in one wake-up of the server's loop
+            post_all(posts)
             metrics.ACTIVE.labels(self.stage).set(len(self._active))
         for h in self._active + self._new:
             h.post(RuntimeError(f"{self.stage} engine stopped"))
