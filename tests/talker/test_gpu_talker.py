@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 def native(model_dir, **overrides):
     """The native talker on cuda:0 over seeded random weights, as served but for `overrides` of its config."""
     from services.runtime.config import ModelConfig, TalkerConfig
+    from services.talker.engine import NativeTalker
 
     return NativeTalker(ModelConfig(path=str(model_dir), load_format="random"), TalkerConfig(**overrides), "cuda:0")
 
