@@ -151,18 +151,6 @@ def test_triton_experts_equal_the_loop_over_experts():
         assert r["weights"] <= 2 ** -7, (name, r)  # bf16 roundings of (near) equal weights
 
 
-def test_bf16_experts_as_wide_as_the_thinkers_take_n_tiles_of_128_at_17_to_32_tokens():
-    """The shape measured faster for the thinker's bf16 experts at 32 tokens; the talker's narrower experts, fp8
-    weights and other token counts keep theirs."""
-    from services.llm import triton_moe
-
-    wide = triton_moe._tiles(32, False, False, 768)
-    assert (wide["BLOCK_N"], wide["num_stages"]) == (128, 3) and triton_moe._tiles(17, False, False, 768) == wide
-    for other in ((32, False, False, 384), (32, True, False, 768), (48, False, False, 768), (16, False, False, 768)):
-        assert triton_moe._tiles(*other)["BLOCK_N"] == 64, other
-    assert triton_moe._tiles(32, True, True, 768)["BLOCK_M"] == 16  # e4m3 activations: their own shape
-
-
 def test_a_wrong_tile_size_is_refused():
     import torch
 
