@@ -15,7 +15,7 @@ class DecodeGraphs:
     """`body(b, inputs, attention)` recorded for each batch size b; `init(ints, floats)` sets what padding rows read."""
 
     def __init__(self, engine, max_batch: int, ints: int, floats: int, body: Callable, init: Callable | None = None,
-                 loaded: bool = False):
+                 loaded: bool = False, keep_plans: bool = True):
         from services.llm.flashinfer_attention import DecodeAttention
 
         sizes = graphs.ladder(max_batch)
@@ -25,7 +25,8 @@ class DecodeGraphs:
         for b in sizes:
             inputs = self.inputs[b] = StepInputs(ints, floats, b, self.device, DecodeAttention.nbytes(b, cache), loaded)
             self.attention[b] = DecodeAttention(cache, text.head_dim ** -0.5, text.num_attention_heads, b,
-                                                engine.scratch_block, engine.workspace, inputs.staging, inputs.extra_offset)
+                                                engine.scratch_block, engine.workspace, inputs.staging, inputs.extra_offset,
+                                                keep_plans)
             for _ in range(2):  # an all-padding plan in both staging buffers: a loading graph reads either
                 ints_, floats_ = inputs.fill()
                 if init is not None:

@@ -108,7 +108,7 @@ class DecodeAttention(_Writer):
     a plan whose schedule would not change is not run (KeptPlan)."""
 
     def __init__(self, cache: KVCache, scale: float, heads: int, batch: int, scratch_block: int, workspace: torch.Tensor,
-                 staging: Staging | None = None, offset: int = 0):
+                 staging: Staging | None = None, offset: int = 0, keep_plans: bool = True):
         import flashinfer
 
         quick_max(flashinfer.decode, flashinfer.prefill)
@@ -134,7 +134,8 @@ class DecodeAttention(_Writer):
         self._planned_once = False
         self.copy = PlanCopy(dev)
         kv_heads = cache.k.shape[3]  # plans kept only where they are direct: KeptPlan reads the direct plan's schedule
-        self.kept = KeptPlan(2 * sm_count(dev) // kv_heads) if self.direct_plan and heads // kv_heads <= 16 else None
+        self.kept = (KeptPlan(2 * sm_count(dev) // kv_heads) if keep_plans and self.direct_plan and heads // kv_heads <= 16
+                     else None)
         self._qo_indptr = torch.arange(batch + 1, dtype=torch.int32)
         self._last_plan: DecodeTable | None = None
         self._written: list[tuple | None] = [None, None]  # (table, version) each staging buffer holds

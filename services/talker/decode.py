@@ -47,7 +47,8 @@ class FrameGraphs:
         def init(ints, floats):  # padding reads the spare row of `seen`
             ints[1], floats[:] = len(self.seen) - 1, 1.0
 
-        self.graphs = DecodeGraphs(engine, max_batch, 6, 3, body, init)
+        # Plans not kept: with them, two identical runs of one engine drew different codes (docs/decisions.md)
+        self.graphs = DecodeGraphs(engine, max_batch, 6, 3, body, init, keep_plans=False)
 
     @property
     def max_batch(self) -> int:
