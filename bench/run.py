@@ -268,14 +268,14 @@ def resumed(prior: dict, fresh: dict) -> dict:
 def wait_serving(cfg, seconds: float, poll_s: float = 1.0) -> None:
     """Returns once every replica of every stage of `cfg` answers its health check SERVING. The gateway
     serves before the stages behind it have loaded their models, so asking it alone is not enough."""
-    from services.runtime.probe import is_serving
+    from services.runtime.probe import stage_serving
 
-    pending = {f"{stage}[{i}]": r.address for stage in cfg.STAGES for i, r in enumerate(cfg.replicas(stage))}
+    pending = {f"{stage}[{i}]": (stage, r.address) for stage in cfg.STAGES for i, r in enumerate(cfg.replicas(stage))}
     deadline = time.perf_counter() + seconds
     while pending:
-        pending = {name: a for name, a in pending.items() if not is_serving(a, timeout=1.0)}
+        pending = {name: sa for name, sa in pending.items() if not stage_serving(*sa, timeout=1.0)}
         if pending and time.perf_counter() >= deadline:
-            raise SystemExit(f"not serving after {seconds:.0f}s: " + ", ".join(f"{n} at {a}" for n, a in sorted(pending.items())))
+            raise SystemExit(f"not serving after {seconds:.0f}s: " + ", ".join(f"{n} at {a}" for n, (_, a) in sorted(pending.items())))
         if pending:
             time.sleep(poll_s)
 

@@ -9,6 +9,7 @@ from typing import Literal
 
 import yaml
 
+from services.runtime.api_config import ApiConfig
 from services.runtime.stage_config import (
     EncoderConfig, GatewayConfig, PreprocessConfig, Replica, TalkerConfig, ThinkerConfig)
 
@@ -80,8 +81,11 @@ class MeshConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     thinker: ThinkerConfig = field(default_factory=ThinkerConfig)
     talker: TalkerConfig = field(default_factory=TalkerConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
 
-    STAGES: typing.ClassVar = ("gateway", "preprocess", "encoder", "thinker", "talker")
+    STAGES: typing.ClassVar = ("gateway", "preprocess", "encoder", "thinker", "talker", "api")
+    # Stages that serve HTTP, not gRPC: their health is GET /health.
+    HTTP_STAGES: typing.ClassVar = ("api",)
 
     def replicas(self, stage: str) -> list[Replica]:
         return getattr(self, stage).replicas
@@ -117,6 +121,8 @@ class MeshConfig:
             raise ConfigError("talker.code2wav_native fuses code2wav's activations itself: leave talker.code2wav_fuse off")
         if self.encoder.graphs and self.encoder.attention != "varlen":
             raise ConfigError("encoder.graphs needs encoder.attention: varlen (sdpa reads lengths back every layer)")
+        if any(not k for k in self.api.keys):
+            raise ConfigError("api.keys: an empty key would let any client in")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self
