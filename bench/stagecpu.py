@@ -7,7 +7,7 @@ import urllib.request
 
 from services.runtime.config import MeshConfig
 
-STAGES = ("gateway", "preprocess", "encoder", "thinker", "talker")
+STAGES = MeshConfig.STAGES
 
 
 def parse(text: str) -> float | None:
