@@ -4,7 +4,7 @@ are made, decoded back by decoders that are not the encoding path (tests/api/dec
 import numpy as np
 import pytest
 
-from decoders import FRAME, decode, lag, snr_db
+from api.decoders import FRAME, decode, lag, snr_db
 from omni.v1 import omni_pb2
 from services.gateway.audio_out import AudioEncoder
 
