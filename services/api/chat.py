@@ -26,8 +26,9 @@ def usage(u: omni_pb2.Usage) -> dict:
     completion = u.completion_tokens + u.audio_frames
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion, "total_tokens": u.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": 0},
-            "completion_tokens_details": {"text_tokens": u.completion_tokens, "audio_tokens": u.audio_frames, "reasoning_tokens": 0,
-                                          "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}}
+            "completion_tokens_details": {"text_tokens": u.completion_tokens, "audio_tokens": u.audio_frames,
+                                          "reasoning_tokens": 0, "accepted_prediction_tokens": 0,
+                                          "rejected_prediction_tokens": 0}}
 
 
 def _sse(obj: dict) -> bytes:

@@ -139,9 +139,10 @@ async def chat_request(req: ChatRequest, store: AudioStore, fetcher: Fetcher | N
     if len(stop) > 4:
         raise bad(f"stop: at most 4 sequences, got {len(stop)}", "stop")
     out.sampling.stop.extend(stop)
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     _sampling(out.sampling, Sampling(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=req.max_completion_tokens or req.max_tokens,
-        min_tokens=req.min_tokens, seed=req.seed, repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos), "")
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=limit, min_tokens=req.min_tokens,
+        seed=req.seed, repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos), "")
     if "audio" in modalities:
         talker = req.talker or Sampling()
         _sampling(out.talker_sampling, talker if talker.seed is not None else talker.model_copy(update={"seed": req.seed}),
@@ -156,7 +157,8 @@ def speech_request(req: SpeechRequest) -> P.GenerateRequest:
         raise unsupported("speed", "the model speaks at one speed: only 1.0")
     system = READ_ALOUD + (f" How to read it: {req.instructions}" if req.instructions else "")
     out = P.GenerateRequest(
-        messages=[P.Message(role=P.ROLE_SYSTEM, parts=[P.Part(text=system)]), P.Message(role=P.ROLE_USER, parts=[P.Part(text=req.input)])],
+        messages=[P.Message(role=P.ROLE_SYSTEM, parts=[P.Part(text=system)]),
+                  P.Message(role=P.ROLE_USER, parts=[P.Part(text=req.input)])],
         output_modalities=[P.MODALITY_AUDIO], voice=req.voice, audio_format=AUDIO_FORMATS[req.response_format])
     thinker = req.thinker or Sampling()
     _sampling(out.sampling, thinker if thinker.temperature is not None else thinker.model_copy(update={"temperature": 0.0}),

@@ -22,7 +22,8 @@ class Encoding:
 ENCODINGS = {
     # No ID3 tag and no Xing frame: the stream is MP3 frames alone (a Xing frame is rewritten at the end, which a
     # stream cannot do, and would otherwise decode as a frame of silence).
-    omni_pb2.AUDIO_FORMAT_MP3: Encoding("mp3", "libmp3lame", 64000, {"id3v2_version": "0", "write_xing": "0", "flush_packets": "1"}),
+    omni_pb2.AUDIO_FORMAT_MP3: Encoding("mp3", "libmp3lame", 64000,
+                                        {"id3v2_version": "0", "write_xing": "0", "flush_packets": "1"}),
     # A page per 20 ms packet: the Ogg muxer otherwise holds a second of packets back before it writes a page.
     omni_pb2.AUDIO_FORMAT_OPUS: Encoding("ogg", "libopus", 32000, {"page_duration": "20000", "flush_packets": "1"}),
     omni_pb2.AUDIO_FORMAT_AAC: Encoding("adts", "aac", 64000, {"flush_packets": "1"}),
