@@ -22,8 +22,9 @@ async def serve(cfg, replica: int) -> None:
     r = cfg.api.replicas[replica]
     host = r.bind_address.rsplit(":", 1)[0]
     start_http_server(r.metrics_port, addr=host)
-    config = uvicorn.Config(create_app(cfg), host=host, port=r.port, loop="asyncio", lifespan="on", access_log=False,
-                            log_level="warning", timeout_graceful_shutdown=5)
+    # httptools: requests parsed and replies framed in C, not h11's Python (a streamed token costs less CPU).
+    config = uvicorn.Config(create_app(cfg), host=host, port=r.port, loop="asyncio", http="httptools", lifespan="on",
+                            access_log=False, log_level="warning", timeout_graceful_shutdown=5)
     log.info("api[%d] serving on http://%s (gateway %s, metrics :%d)", replica, r.bind_address,
              cfg.gateway.replicas[0].address, r.metrics_port)
     await uvicorn.Server(config).serve()
