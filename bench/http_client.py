@@ -81,15 +81,13 @@ class HttpClient:
                 if reply.status_code != 200:
                     rec.error, rec.detail = f"HTTP {reply.status_code}", (await reply.aread()).decode(errors="replace")[:500]
                     return rec
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
+                async for data in _events(reply):
                     now = time.perf_counter()
                     self.messages += 1
-                    if line == "data: [DONE]":
+                    if data == b"[DONE]":
                         rec.finished = True
                         break
-                    event = json.loads(line[6:])
+                    event = json.loads(data)
                     if "error" in event:
                         rec.error, rec.detail = "STREAM_ERROR", event["error"]["message"][:500]
                         break
@@ -124,3 +122,15 @@ class HttpClient:
         if not rec.finished and not rec.error:
             rec.error, rec.detail = "UNFINISHED", "the stream ended without [DONE]"
         return rec
+
+
+async def _events(reply: httpx.Response):
+    """The data of each Server-Sent Event as it arrives, split on bytes (lighter than decoded lines: the client's CPU
+    is the machine's too)."""
+    buf = b""
+    async for piece in reply.aiter_raw():
+        buf += piece
+        *events, buf = buf.split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: "):
+                yield event[6:]

@@ -48,6 +48,11 @@ class Reply:
         self.ids: list[int] = []
         self.audio: list[bytes] = []
         self.finished: omni_pb2.Finished | None = None
+        # A text delta's event around its text, laid out once: the per-token path encodes only the text and ids.
+        head = _sse(self._chunk_obj({"content": "\0"}))
+        self._text_head, self._text_tail = head.split(b'"\\u0000"')
+        if self.token_ids:
+            self._text_tail = self._text_tail.replace(b'"finish_reason":null', b'"finish_reason":null,"token_ids":[\0]')
 
     def add(self, r: omni_pb2.GenerateResponse) -> None:
         kind = r.WhichOneof("event")
@@ -78,7 +83,7 @@ class Reply:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": [choice], "usage": usage(self.finished.usage)}
 
-    def chunk(self, delta: dict, finish: str | None = None, token_ids: list[int] | None = None) -> bytes:
+    def _chunk_obj(self, delta: dict, finish: str | None = None, token_ids: list[int] | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if token_ids is not None:
             choice["token_ids"] = token_ids
@@ -86,7 +91,15 @@ class Reply:
                "system_fingerprint": None, "choices": [choice]}
         if self.include_usage:
             obj["usage"] = None
-        return _sse(obj)
+        return obj
+
+    def chunk(self, delta: dict, finish: str | None = None, token_ids: list[int] | None = None) -> bytes:
+        return _sse(self._chunk_obj(delta, finish, token_ids))
+
+    def text_chunk(self, t: omni_pb2.TextDelta) -> bytes:
+        text = json.dumps(t.text, ensure_ascii=False).encode()
+        tail = self._text_tail.replace(b"\0", ",".join(map(str, t.token_ids)).encode(), 1) if self.token_ids else self._text_tail
+        return self._text_head + text + tail
 
     def delta(self, r: omni_pb2.GenerateResponse) -> bytes:
         """The SSE event for one response of the gateway's stream ("" when it carries nothing to say)."""
@@ -94,10 +107,10 @@ class Reply:
         if kind == "text":
             if not r.text.text and not self.token_ids:
                 return b""
-            delta = {"content": r.text.text}
             if self.audio_id:  # what the audio says, where OpenAI's clients read it
-                delta["audio"] = {"id": self.audio_id, "transcript": r.text.text}
-            return self.chunk(delta, token_ids=list(r.text.token_ids) if self.token_ids else None)
+                return self.chunk({"content": r.text.text, "audio": {"id": self.audio_id, "transcript": r.text.text}},
+                                  token_ids=list(r.text.token_ids) if self.token_ids else None)
+            return self.text_chunk(r.text)
         if kind == "audio":
             if not r.audio.data:
                 return b""
@@ -114,12 +127,12 @@ class Reply:
         """The SSE body, from the first response on. A failure midway is an error event (what OpenAI's clients raise);
         a client gone midway cancels this body, and with it the call."""
         try:
-            yield self.chunk({"role": "assistant", "content": ""})
-            r = first
+            r, role = first, self.chunk({"role": "assistant", "content": ""})
             while r is not None:
                 self.add(r)
                 if piece := self.delta(r):
-                    yield piece
+                    yield role + piece  # the role's event leaves with the first one: one write less
+                    role = b""
                 r = await call.read()
                 r = None if r is grpc.aio.EOF else r
         except grpc.aio.AioRpcError as e:
