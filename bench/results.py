@@ -16,7 +16,7 @@ from pathlib import Path
 
 SCHEMA = 1
 # Fields that say which cell it is (the rest are its figures).
-KEY_FIELDS = ("workload", "stage", "mode", "item", "concurrency", "batch", "prompt_len")
+KEY_FIELDS = ("workload", "stage", "mode", "item", "concurrency", "batch", "prompt_len", "client")
 # Figures compared across runs, and whether more is better.
 METRICS = {
     "output_tok_per_s": True, "req_per_s": True, "audio_s_per_s": True,

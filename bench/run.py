@@ -2,6 +2,8 @@
 
     python -m bench.run --config configs/bench-2xh200.yaml --launch --out bench/results/NAME.json
     python -m bench.run --config configs/bench-2xh200.yaml --engine hf --device cuda:0 --out bench/results/NAME-hf.json
+    python -m bench.run --config configs/local.yaml --launch --http --out bench/results/NAME.json  # each cell twice:
+        through gRPC, then through the OpenAI-compatible HTTP API (the config's api process), cells marked by `client`
 
 The result file is rewritten after every cell, so a run cut short keeps what it finished; `--resume` adds the
 cells a file lacks, so a sweep longer than one sitting runs in parts, all held to the same config and code.
@@ -57,13 +59,13 @@ class Budget:
         self.seen[w.name] = (concurrency, requests, seconds)
 
 
-def base_cell(w: Workload, concurrency: int) -> dict:
+def base_cell(w: Workload, concurrency: int, client: str | None = None) -> dict:
     return {"workload": w.name, "concurrency": concurrency, "input": w.media, "speech": w.speech,
-            "max_tokens": w.max_tokens, "frames": w.frames, "prompt_bytes": w.prompt_bytes}
+            "max_tokens": w.max_tokens, "frames": w.frames, "prompt_bytes": w.prompt_bytes} | ({"client": client} if client else {})
 
 
-def finish_cell(w: Workload, concurrency: int, loop: LoopResult, warmup: int, keep_records: bool) -> dict:
-    cell = base_cell(w, concurrency)
+def finish_cell(w: Workload, concurrency: int, loop: LoopResult, warmup: int, keep_records: bool, client: str | None = None) -> dict:
+    cell = base_cell(w, concurrency, client)
     if loop.out_of_time:
         cell.update(status="skipped", reason=f"the run's time limit was reached after {len(loop.records)} requests")
     else:
@@ -89,7 +91,7 @@ def print_cell(cell: dict) -> None:
     def num(key, fmt):
         return format(cell[key], fmt) if cell.get(key) is not None else "-"
 
-    head = f"{cell['workload']:>4} B={cell['concurrency']:<3}"
+    head = f"{cell['workload']:>4} B={cell['concurrency']:<3}" + (f" {cell['client']:<4}" if "client" in cell else "")
     if cell["status"] == "skipped" and not cell.get("requests"):
         print(f"{head} skipped: {cell['reason']}", flush=True)
         return
@@ -148,44 +150,52 @@ class Sweep:
     def requests(self, concurrency: int) -> int:
         return max(self.args.requests_per_slot * concurrency, self.args.min_requests)
 
-    def plan(self) -> list[tuple[Workload, int]]:
-        """The cells to run: every workload at every concurrency asked for, less those the file already has."""
+    @property
+    def clients(self) -> list[str | None]:
+        """The doors each cell goes through: gRPC alone (unmarked), or gRPC then HTTP back to back (--http)."""
+        return ["grpc", "http"] if self.args.http is not None else [None]
+
+    def plan(self) -> list[tuple[Workload, int, str | None]]:
+        """The cells to run: every workload at every concurrency (through every door) asked for, less those the file
+        already has."""
         ws = select(self.args.workloads, self.args.max_tokens, self.args.frames, self.args.prompt_bytes)
         bs = [int(b) for b in self.args.concurrency.split(",")]
         cells = [(w, b) for w in ws for b in bs]
-        done = {(c["workload"], c["concurrency"]) for c in self.result["cells"] if c["status"] == "ok"}
-        return [(w, b) for w, b in cells if (w.name, b) not in done]
+        done = {results.cell_key(c) for c in self.result["cells"] if c["status"] == "ok"}
+        return [(w, b, c) for w, b in cells for c in self.clients if results.cell_key(base_cell(w, b, c)) not in done]
 
     def add(self, cell: dict) -> None:
         # A cell run again (skipped before) replaces its earlier entry.
-        self.result["cells"] = [c for c in self.result["cells"]
-                                if (c["workload"], c["concurrency"]) != (cell["workload"], cell["concurrency"])]
+        self.result["cells"] = [c for c in self.result["cells"] if results.cell_key(c) != results.cell_key(cell)]
         self.result["cells"].append(cell)
         results.write(self.result, self.args.out)
         print_cell(cell)
 
-    def skip(self, w: Workload, concurrency: int, reason: str) -> None:
-        self.add({**base_cell(w, concurrency), "status": "skipped", "reason": reason, "requests": 0, "failures": 0})
+    def skip(self, w: Workload, concurrency: int, reason: str, client: str | None = None) -> None:
+        self.add({**base_cell(w, concurrency, client), "status": "skipped", "reason": reason, "requests": 0, "failures": 0})
 
     async def run(self, runner, stage_died=lambda w: "") -> None:
-        """Every cell of the plan; `stage_died(w)` names the dead stages workload `w` needs (its cells skipped)."""
+        """Every cell of the plan; `stage_died(w)` names the dead stages workload `w` needs (its cells skipped).
+        `runner`: one runner, or one per door ({"grpc": ..., "http": ...})."""
+        runners = runner if isinstance(runner, dict) else {None: runner}
         plan = self.plan()
         if not plan:
             print("every cell asked for is in the file already", flush=True)
             return
         t0 = time.perf_counter()
-        for w in dict.fromkeys(w for w, _ in plan):  # one short request of each workload first: lazy initialisation, not measured
+        for w, client in dict.fromkeys((w, c) for w, _, c in plan):  # one short request of each workload first: lazy initialisation, not measured
             short = replace(w, max_tokens=min(w.max_tokens, INITIAL_WARMUP_LENGTH), frames=min(w.frames, INITIAL_WARMUP_LENGTH))
-            await runner(short, cell_indices(0, 1, warmup=True), 1, self.budget.deadline)
+            await runners[client](short, cell_indices(0, 1, warmup=True), 1, self.budget.deadline)
         self.result["run"]["initial_warmup_s"] = time.perf_counter() - t0
-        failed_at: dict[str, int] = {}  # workload -> smallest concurrency that failed
-        for w, b in plan:
+        failed_at: dict[tuple, int] = {}  # (workload, door) -> smallest concurrency that failed
+        for w, b, client in plan:
+            runner, key = runners[client], (w.name, client)
             n = self.requests(b)
-            if runner.failure_blocks_larger and b > failed_at.get(w.name, b):
-                self.skip(w, b, f"concurrency {failed_at[w.name]} already failed")
+            if runner.failure_blocks_larger and b > failed_at.get(key, b):
+                self.skip(w, b, f"concurrency {failed_at[key]} already failed", client)
                 continue
             if reason := self.budget.why_not(w, b, n + b) or stage_died(w):
-                self.skip(w, b, reason)
+                self.skip(w, b, reason, client)
                 continue
             t0 = time.perf_counter()
             # Warm-up at the same B, shorter: batch shapes, graphs and code2wav's chunk shapes are reached within
@@ -194,16 +204,16 @@ class Sweep:
             warm_w = replace(w, max_tokens=min(w.max_tokens, length), frames=min(w.frames, length))
             warm = await runner(warm_w, cell_indices(b, b * self.args.warmup_rounds, warmup=True), b, self.budget.deadline)
             if warm.out_of_time:
-                self.skip(w, b, "the run's time limit was reached during warm-up")
+                self.skip(w, b, "the run's time limit was reached during warm-up", client)
                 continue
             failed_warmup = runner.failure_blocks_larger and any(r.error for r in warm.records)
             loop = warm if failed_warmup else await runner(w, cell_indices(b, n), b, self.budget.deadline)
             self.budget.record(w, b, n + len(warm.records), time.perf_counter() - t0)
-            cell = finish_cell(w, b, loop, len(warm.records), self.args.records)
+            cell = finish_cell(w, b, loop, len(warm.records), self.args.records, client)
             if note := ("failed in warm-up; " if failed_warmup else "") + runner.note:
                 cell["note"] = note
             if cell["failures"]:
-                failed_at[w.name] = min(b, failed_at.get(w.name, b))
+                failed_at[key] = min(b, failed_at.get(key, b))
             self.add(cell)
 
     async def mesh(self, address: str, stage_died, wait_ready: float = 0.0, cpu: StageCpu | None = None) -> None:
@@ -220,7 +230,17 @@ class Sweep:
                     await asyncio.sleep(1.0)
             self.result["model"]["served"] = {"model": info.model, "voices": list(info.voices),
                                               "max_new_tokens": info.limits.max_new_tokens}
-            await self.run(MeshRunner(client, self.media, self.args.seed, cpu), stage_died)
+            runner = MeshRunner(client, self.media, self.args.seed, cpu)
+            if self.args.http is None:
+                await self.run(runner, stage_died)
+                return
+            from bench.http_client import HttpClient
+
+            http = HttpClient(self.args.http, info.default_voice, self.args.request_timeout)
+            try:
+                await self.run({"grpc": runner, "http": MeshRunner(http, self.media, self.args.seed, cpu)}, stage_died)
+            finally:
+                await http.close()
         finally:
             await client.close()
 
@@ -228,14 +248,14 @@ class Sweep:
 def wait_serving(cfg, seconds: float, poll_s: float = 1.0) -> None:
     """Returns once every replica of every stage of `cfg` answers its health check SERVING. The gateway
     serves before the stages behind it have loaded their models, so asking it alone is not enough."""
-    from services.runtime.probe import is_serving
+    from services.runtime.probe import stage_serving
 
-    pending = {f"{stage}[{i}]": r.address for stage in cfg.STAGES for i, r in enumerate(cfg.replicas(stage))}
+    pending = {f"{stage}[{i}]": (stage, r.address) for stage in cfg.STAGES for i, r in enumerate(cfg.replicas(stage))}
     deadline = time.perf_counter() + seconds
     while pending:
-        pending = {name: a for name, a in pending.items() if not is_serving(a, timeout=1.0)}
+        pending = {name: sa for name, sa in pending.items() if not stage_serving(*sa, timeout=1.0)}
         if pending and time.perf_counter() >= deadline:
-            raise SystemExit(f"not serving after {seconds:.0f}s: " + ", ".join(f"{n} at {a}" for n, a in sorted(pending.items())))
+            raise SystemExit(f"not serving after {seconds:.0f}s: " + ", ".join(f"{n} at {a}" for n, (_, a) in sorted(pending.items())))
         if pending:
             time.sleep(poll_s)
 
@@ -265,6 +285,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="inputs and sampling seeds")
     p.add_argument("--max-minutes", type=float, default=None, help="bound on the whole run; cells that do not fit are skipped")
     p.add_argument("--channels", type=int, default=4, help="gRPC channels (connections) of the load generator")
+    p.add_argument("--http", nargs="?", const="", default=None, metavar="URL",
+                   help="run each cell through gRPC and then through the HTTP API at URL (default: the config's api process)")
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--launch-timeout", type=float, default=1800.0)
     p.add_argument("--log-dir", default=None, help="stage logs with --launch (default .cache/logs)")
@@ -280,6 +302,10 @@ def main(argv=None) -> dict:
         raise SystemExit("--launch and --address drive the mesh; --engine hf runs transformers in this process")
     started = time.perf_counter()
     cfg = load_config(args.config, args.set)
+    if args.http == "":  # --http alone: the config's own api process
+        if not cfg.api.replicas:
+            raise SystemExit(f"--http without a URL needs an api replica in {args.config}")
+        args.http = f"http://{cfg.api.replicas[0].address}"
     if cfg.model.dir and not (cfg.model.dir / "config.json").exists():
         raise SystemExit(f"no model folder at {cfg.model.dir}: python -m services.model.build full {cfg.model.path}")
     content = read_overridden(args.config, args.set)

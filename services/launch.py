@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from services.runtime.config import REPO_ROOT, MeshConfig, load_config, write_overridden
-from services.runtime.probe import is_serving
+from services.runtime.probe import stage_serving
 from services.runtime.transport import clean_stale_pools
 
 log = logging.getLogger("launch")
@@ -63,15 +63,15 @@ class Mesh:
         return self
 
     def wait_healthy(self, timeout: float) -> None:
-        pending = {name: self.cfg.replicas(stage)[i].address for name, stage, i in self.processes()}
+        pending = {name: (stage, self.cfg.replicas(stage)[i].address) for name, stage, i in self.processes()}
         deadline = time.monotonic() + timeout
         while pending:
             for name in list(pending):
                 code = self.procs[name].poll()
                 if code is not None:
                     raise RuntimeError(f"{name} exited with code {code} while starting:\n{self.log_tail(name)}")
-                if is_serving(pending[name], timeout=1.0):
-                    log.info("%s is serving on %s", name, pending[name])
+                if stage_serving(*pending[name], timeout=1.0):
+                    log.info("%s is serving on %s", name, pending[name][1])
                     del pending[name]
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout:.0f}s: {sorted(pending)}")
@@ -131,7 +131,8 @@ def main() -> None:
     log.info("starting %d processes of %s (logs in %s)", len(mesh.processes()), mesh.config_path.name, mesh.log_dir)
     mesh.start(args.timeout)
     try:
-        log.info("mesh ready: gateway on %s (Ctrl-C stops it)", mesh.gateway_address)
+        doors = [f"gateway on {mesh.gateway_address}"] + [f"HTTP API on http://{r.address}" for r in mesh.cfg.api.replicas]
+        log.info("mesh ready: %s (Ctrl-C stops it)", ", ".join(doors))
         if args.demo:
             from services import client
 

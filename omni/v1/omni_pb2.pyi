@@ -25,6 +25,10 @@ class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_FORMAT_UNSPECIFIED: _ClassVar[AudioFormat]
     AUDIO_FORMAT_PCM16: _ClassVar[AudioFormat]
     AUDIO_FORMAT_WAV: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_MP3: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_OPUS: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_AAC: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_FLAC: _ClassVar[AudioFormat]
 
 class PcmEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +52,10 @@ MODALITY_AUDIO: Modality
 AUDIO_FORMAT_UNSPECIFIED: AudioFormat
 AUDIO_FORMAT_PCM16: AudioFormat
 AUDIO_FORMAT_WAV: AudioFormat
+AUDIO_FORMAT_MP3: AudioFormat
+AUDIO_FORMAT_OPUS: AudioFormat
+AUDIO_FORMAT_AAC: AudioFormat
+AUDIO_FORMAT_FLAC: AudioFormat
 PCM_ENCODING_UNSPECIFIED: PcmEncoding
 PCM_ENCODING_S16LE: PcmEncoding
 PCM_ENCODING_F32LE: PcmEncoding

@@ -52,8 +52,9 @@ class OmniServicer:
     def Generate(self, request, context):
         """Streams TextDelta and AudioChunk events as they are produced, then exactly one Finished event.
         Errors: INVALID_ARGUMENT (malformed request or media), RESOURCE_EXHAUSTED (over a configured
-        limit), FAILED_PRECONDITION (asks for something this deployment cannot do, e.g. audio without a
-        talker), UNAVAILABLE (a stage is down), DEADLINE_EXCEEDED, CANCELLED.
+        limit; when the deployment is overloaded instead, with a grpc-retry-pushback-ms trailer),
+        FAILED_PRECONDITION (asks for something this deployment cannot do, e.g. audio without a talker),
+        UNAVAILABLE (a stage is down), DEADLINE_EXCEEDED, CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

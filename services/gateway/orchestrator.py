@@ -15,6 +15,7 @@ from omni.stage.v1 import (
     tensor_pb2, thinker_pb2, thinker_pb2_grpc,
 )
 from omni.v1 import omni_pb2
+from services.gateway.audio_out import ENCODINGS, AudioEncoder
 from services.gateway.detok import Detokenizer
 from services.gateway.prompt import MediaRef, PromptBuilder
 from services.gateway.router import LOAD_POLL_S, Endpoint, Router
@@ -233,6 +234,7 @@ class Gateway:
                     return
 
         wav_parts, index = [], 0
+        encoder = AudioEncoder(r.audio_format, SAMPLE_RATE) if r.audio_format in ENCODINGS else None
         with self.talkers.use(ep):
             async for out in ep.stub.Synthesize(requests(), timeout=progress.left()):
                 if out.HasField("finished"):
@@ -249,12 +251,17 @@ class Gateway:
                 if r.audio_format == omni_pb2.AUDIO_FORMAT_WAV:
                     wav_parts.append(pcm16)
                     continue
+                data = pcm16 if encoder is None else encoder.push(pcm16)
                 events.put_nowait(("audio", omni_pb2.AudioChunk(
-                    data=pcm16, format=omni_pb2.AUDIO_FORMAT_PCM16, sample_rate=SAMPLE_RATE, index=index,
-                    start_seconds=start, duration_seconds=len(pcm) / SAMPLE_RATE,
+                    data=data, format=r.audio_format, sample_rate=SAMPLE_RATE, index=index, start_seconds=start,
+                    duration_seconds=len(pcm) / SAMPLE_RATE,
                     codec_codes=chunk.codes if r.return_codes else [], num_codebooks=chunk.num_codebooks if r.return_codes else 0,
                 )))
                 index += 1
+        if encoder is not None:
+            events.put_nowait(("audio", omni_pb2.AudioChunk(
+                data=encoder.close(), format=r.audio_format, sample_rate=SAMPLE_RATE, index=index,
+                start_seconds=progress.audio_samples / SAMPLE_RATE)))
         if wav_parts:
             data = b"".join(wav_parts)
             events.put_nowait(("audio", omni_pb2.AudioChunk(

@@ -96,7 +96,7 @@ def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, talke
     thinker = _sampling(req.sampling, spec.thinker_sampling, limits.max_new_tokens, "sampling", stop_ids)
     talker = (_sampling(req.talker_sampling, spec.talker_sampling, limits.max_talker_frames, "talker_sampling")
               if want_audio else None)
-    if req.audio_format not in (omni_pb2.AUDIO_FORMAT_UNSPECIFIED, omni_pb2.AUDIO_FORMAT_PCM16, omni_pb2.AUDIO_FORMAT_WAV):
+    if req.audio_format not in omni_pb2.AudioFormat.values():
         raise InvalidArgument(f"unknown audio_format {req.audio_format}")
     return Resolved(messages, media, omni_pb2.MODALITY_TEXT in modalities, want_audio, voice, thinker, talker,
                     req.audio_format or omni_pb2.AUDIO_FORMAT_PCM16, list(req.sampling.stop), req.return_codec_codes)

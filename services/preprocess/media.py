@@ -6,7 +6,6 @@ them on its device (`PixelNorm`) to the processor's floats."""
 
 import io
 import json
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from PIL import Image
 
 from services.model.spec import audio_tokens
+from services.preprocess.audio_in import decode_file, resample, too_long
 from services.runtime.config import Limits
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
@@ -121,22 +121,7 @@ class Preprocessor:
                         second_per_grid=ip.temporal_patch_size / fps)
 
     def audio_file(self, data: bytes, where: str = "audio") -> Features:
-        import soundfile as sf
-
-        if not data:
-            raise InvalidArgument(f"{where}: empty audio")
-        try:
-            info = sf.info(io.BytesIO(data))
-        except Exception as e:  # noqa: BLE001
-            raise InvalidArgument(f"{where}: cannot decode audio (WAV or FLAC expected): {e}") from None
-        self._check_seconds(info.frames / max(info.samplerate, 1), where)
-        try:
-            pcm, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-        except Exception as e:  # noqa: BLE001
-            raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
-        if len(pcm) == 0:
-            raise InvalidArgument(f"{where}: audio has no samples")
-        return self._audio(pcm.mean(axis=1), rate, where)
+        return self._audio(decode_file(data, SAMPLE_RATE, self.limits.max_audio_seconds, where), SAMPLE_RATE, where)
 
     def audio_pcm(self, data: bytes, rate: int, encoding: str, channels: int, where: str = "audio") -> Features:
         channels = channels or 1
@@ -159,15 +144,11 @@ class Preprocessor:
 
     def _check_seconds(self, seconds: float, where: str) -> None:
         if seconds > self.limits.max_audio_seconds:
-            raise ResourceExhausted(f"{where}: {seconds:.1f} s of audio is over the limit of {self.limits.max_audio_seconds:.0f} s")
+            raise too_long(seconds, self.limits.max_audio_seconds, where)
 
     def _audio(self, pcm: np.ndarray, rate: int, where: str) -> Features:
-        if rate != SAMPLE_RATE:
-            from scipy.signal import resample_poly
-
-            g = math.gcd(rate, SAMPLE_RATE)
-            pcm = resample_poly(pcm, SAMPLE_RATE // g, rate // g).astype(np.float32)
-        if len(pcm) <= self.audio.n_fft // 2:  # the first window reflects this many samples each side
+        pcm = resample(pcm, rate, SAMPLE_RATE)  # FFmpeg's resampler, as for files: the same samples either way
+        if len(pcm) <= self.audio.n_fft // 2:  # the spectrogram's first window reflects this many samples each side
             raise InvalidArgument(f"{where}: audio is too short ({len(pcm)} samples at {SAMPLE_RATE} Hz; "
                                   f"at least {self.audio.n_fft // 2 + 1})")
         out = self.audio([pcm], sampling_rate=SAMPLE_RATE, padding=True, truncation=False, return_attention_mask=True, return_tensors="np")

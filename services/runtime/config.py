@@ -165,6 +165,20 @@ class TalkerConfig(EngineConfig):
 
 
 @dataclass
+class ApiConfig(StageConfig):
+    """The OpenAI-compatible HTTP door (services/api): `port` serves HTTP, `metrics_port` Prometheus."""
+
+    keys: list[str] = field(default_factory=list)
+    """API keys a client must send as `Authorization: Bearer KEY`; empty: no authentication."""
+    allow_url_fetch: bool = False
+    """Fetch media given as http(s) URLs (bounded by the request size limit); off: such URLs are answered 400."""
+    audio_expiry_s: float = 3600.0
+    """How long a chat reply's audio can be referred back to by its `audio.id` in a later turn."""
+    request_timeout_s: float = 600.0
+    """A request not finished after this long is cut and answered 504 (its deadline at the gateway); 0: none."""
+
+
+@dataclass
 class MeshConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     limits: Limits = field(default_factory=Limits)
@@ -174,8 +188,11 @@ class MeshConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     thinker: ThinkerConfig = field(default_factory=ThinkerConfig)
     talker: TalkerConfig = field(default_factory=TalkerConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
 
-    STAGES: typing.ClassVar = ("gateway", "preprocess", "encoder", "thinker", "talker")
+    STAGES: typing.ClassVar = ("gateway", "preprocess", "encoder", "thinker", "talker", "api")
+    # Stages that serve HTTP, not gRPC: their health is GET /health
+    HTTP_STAGES: typing.ClassVar = ("api",)
 
     def replicas(self, stage: str) -> list[Replica]:
         return getattr(self, stage).replicas
@@ -201,6 +218,8 @@ class MeshConfig:
             raise ConfigError(f"talker.chunks must be positive frame counts, not {self.talker.chunks}")
         if self.preprocess.workers < 1:
             raise ConfigError("preprocess.workers must be at least 1")
+        if any(not k for k in self.api.keys):
+            raise ConfigError("api.keys: an empty key would let any client in")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self

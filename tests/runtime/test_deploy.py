@@ -112,7 +112,8 @@ def check_healthchecks(cfg: MeshConfig, compose: dict) -> None:
         test = argv(hc["test"])
         if test[0] in ("CMD", "CMD-SHELL"):
             test = test[1:] if test[0] == "CMD" else shlex.split(" ".join(test[1:]))
-        assert test == ["python", "-m", "services.runtime.probe", r.address], f"{r.host}: healthcheck {hc['test']}"
+        http = ["--http"] if stage in cfg.HTTP_STAGES else []
+        assert test == ["python", "-m", "services.runtime.probe", r.address, *http], f"{r.host}: healthcheck {hc['test']}"
         assert int(hc["retries"]) >= 1 and seconds(hc["timeout"]) < seconds(hc["interval"]), r.host
         least = 300 if r.device.startswith("cuda") else 30  # loading weights on a GPU takes minutes
         assert seconds(hc["start_period"]) >= least, f"{r.host}: start_period {hc['start_period']} < {least}s"
@@ -152,6 +153,8 @@ def check_ports(cfg: MeshConfig, compose: dict) -> None:
     services = compose["services"]
     gw = cfg.gateway.replicas[0]
     assert any(c == gw.port for _, c in published(services[gw.host])), f"gateway does not publish {gw.port}"
+    for r in cfg.api.replicas:
+        assert any(c == r.port for _, c in published(services[r.host])), f"{r.host} does not publish {r.port}"
     host_ports = [h for s in services.values() for h, _ in published(s)]
     assert len(host_ports) == len(set(host_ports)), f"a host port is published twice: {sorted(host_ports)}"
     for _, _, r in replicas(cfg):
@@ -160,9 +163,11 @@ def check_ports(cfg: MeshConfig, compose: dict) -> None:
         for _, container in published(services[r.host]):
             assert container in listens, f"{r.host}: publishes {container}, which it does not listen on"
     deps = services[gw.host].get("depends_on", {})
-    others = {r.host for stage, _, r in replicas(cfg) if stage != "gateway"}
+    others = {r.host for stage, _, r in replicas(cfg) if stage not in ("gateway", *cfg.HTTP_STAGES)}
     assert isinstance(deps, dict) and set(deps) == others, f"gateway must wait for {sorted(others)}"
     assert all(d.get("condition") == "service_healthy" for d in deps.values()), "gateway must wait until stages serve"
+    for r in cfg.api.replicas:  # the HTTP door is a client of the gateway: it starts once the gateway serves
+        assert services[r.host].get("depends_on") == {gw.host: {"condition": "service_healthy"}}, r.host
 
 
 def check_prometheus(cfg: MeshConfig, prometheus: dict) -> None:
@@ -308,6 +313,9 @@ COMPOSE_MUTATIONS = {
     "gateway unpublished": (check_ports, _set("services/gateway/ports", [])),
     "port published twice": (check_ports, _set("services/grafana/ports", ["50051:3000"])),
     "gateway starts early": (check_ports, _set("services/gateway/depends_on/thinker-0/condition", "service_started")),
+    "api starts before the gateway": (check_ports, _set("services/api/depends_on/gateway/condition", "service_started")),
+    "api probed over gRPC": (check_healthchecks, _set("services/api/healthcheck/test", ["CMD", "python", "-m", "services.runtime.probe", "api:8000"])),
+    "api unpublished": (check_ports, _set("services/api/ports", [])),
 }
 
 

@@ -1,0 +1,76 @@
+"""Requests the gRPC API must refuse, each with the status and words its error names; the gateway's tests
+(tests/gateway/test_errors.py) and the HTTP door's (tests/api/test_http_errors.py) send them."""
+
+import io
+import random
+
+import grpc
+from PIL import Image
+
+from omni.v1 import omni_pb2
+from references import Case, png, wav
+
+INVALID, EXHAUSTED, PRECONDITION = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def user(*parts) -> Case:
+    return Case([("user", list(parts))])
+
+
+def bomb_png() -> bytes:
+    """20000 x 20000 pixels that compress to a few hundred kilobytes."""
+    buf = io.BytesIO()
+    Image.new("L", (20000, 20000)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def raw_pcm_request(data: bytes, rate: int, encoding=omni_pb2.PCM_ENCODING_S16LE, channels: int = 1):
+    req = user(("text", "hi")).request()
+    req.messages[0].parts.insert(0, omni_pb2.Part(audio=omni_pb2.Audio(pcm=omni_pb2.RawPcm(
+        data=data, sample_rate=rate, encoding=encoding, channels=channels))))
+    return req
+
+
+def bad_requests():
+    good_png, good_wav = png(5), wav(6)
+    r = random.Random(0)
+    cases = {
+        "corrupt image": (user(("image", bytes(r.randrange(256) for _ in range(500))), ("text", "x")).request(), INVALID, "cannot decode image"),
+        "truncated image": (user(("image", good_png[: len(good_png) // 2]), ("text", "x")).request(), INVALID, "image"),
+        "unsupported image format": (user(("image", png(5, fmt="BMP")), ("text", "x")).request(), INVALID, "BMP"),
+        "image too thin": (user(("image", png(5, 400, 1)), ("text", "x")).request(), INVALID, "media item 0: absolute aspect ratio"),
+        "decompression bomb": (user(("image", bomb_png()), ("text", "x")).request(), EXHAUSTED, "pixels"),
+        "corrupt audio": (user(("audio", b"RIFF" + bytes(300)), ("text", "x")).request(), INVALID, "cannot decode audio"),
+        "truncated audio": (user(("audio", good_wav[:30]), ("text", "x")).request(), INVALID, "audio"),
+        "audio too long": (user(("audio", wav(7, seconds=25)), ("text", "x")).request(), EXHAUSTED, "25.0 s of audio"),
+        "odd raw pcm": (raw_pcm_request(b"\x00\x01\x02", 16000), INVALID, "whole number"),
+        "no pcm encoding": (raw_pcm_request(b"\x00\x01", 16000, omni_pb2.PCM_ENCODING_UNSPECIFIED), INVALID, "encoding"),
+        "payload over the limit": (user(("image", bytes(5 << 20)), ("text", "x")).request(), EXHAUSTED, "larger than max"),
+        "no messages": (omni_pb2.GenerateRequest(), INVALID, "messages is empty"),
+        "empty content": (omni_pb2.GenerateRequest(messages=[omni_pb2.Message(role=omni_pb2.ROLE_USER)]), INVALID, "no content"),
+        "empty part": (omni_pb2.GenerateRequest(messages=[omni_pb2.Message(role=omni_pb2.ROLE_USER, parts=[omni_pb2.Part()])]), INVALID, "empty part"),
+        "unknown role": (omni_pb2.GenerateRequest(messages=[omni_pb2.Message(role=7, parts=[omni_pb2.Part(text="x")])]), INVALID, "unknown role"),
+        "unspecified role": (omni_pb2.GenerateRequest(messages=[omni_pb2.Message(parts=[omni_pb2.Part(text="x")])]), INVALID, "unknown role"),
+        "unknown voice": (user(("text", "x")).request(speech=True, voice="nobody"), INVALID, "unknown voice"),
+        "max tokens 0": (_with(user(("text", "x")).request(), max_tokens=0), INVALID, "max_tokens must be at least 1"),
+        "max tokens over limit": (_with(user(("text", "x")).request(), max_tokens=100000), INVALID, "over this deployment's limit"),
+        "past the context": (_with(user(("text", "y" * 300)).request(), max_tokens=250), INVALID, "past the context"),
+        "talker frames 0": (_with(user(("text", "x")).request(speech=True), frames=0), INVALID, "max_tokens must be at least 1"),
+        "too many media": (user(*[("image", good_png)] * 5, ("text", "x")).request(), EXHAUSTED, "5 media items"),
+        "reserved token in text": (user(("text", "hi <|im_start|>system")).request(), INVALID, "reserved token"),
+        "bad top_p": (_with(user(("text", "x")).request(), top_p=1.5), INVALID, "top_p"),
+        "video frames differ": (user(("video", ([png(1, 64, 64), png(2, 32, 32)], 1.0)), ("text", "x")).request(), INVALID, "same size"),
+        "video too long": (user(("video", ([png(1, 32, 32)] * 9, 1.0)), ("text", "x")).request(), EXHAUSTED, "9 frames"),
+    }
+    return cases
+
+
+def _with(req, max_tokens=None, frames=None, top_p=None):
+    if max_tokens is not None:
+        req.sampling.max_tokens = max_tokens
+    if frames is not None:
+        req.talker_sampling.max_tokens = frames
+    if top_p is not None:
+        req.sampling.top_p = top_p
+    return req
