@@ -5,6 +5,7 @@ does. Every backend hands out `kv_slots`, so a layer's projection writes k and v
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,17 @@ class SeqSlice:
     block_table: list[int]
     cached: int
     n: int
+
+
+class AttentionBackend(Protocol):
+    """What a decoder layer calls, through the step context, on the backend planned for its step."""
+
+    def kv_slots(self, layer: int):
+        """Where the step's new k and v go in `layer`'s cache (the projection writes them), or None."""
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                written: bool = False) -> torch.Tensor:
+        """q [N, heads, D], k and v [N, kv_heads, D] (already in the cache if `written`) -> [N, heads, D]."""
 
 
 class DecodeSlices:

@@ -3,11 +3,13 @@
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from services.llm.attention import AttentionBackend
+
 
 @dataclass
 class Context:
-    attention: object = None  # a planned attention backend (services/llm/attention.py)
-    moe_backend: str = "loop"  # services/llm/moe.py
+    attention: AttentionBackend | None = None  # planned for this step
+    moe_backend: str = "loop"  # a key of services.llm.moe.EXPERTS
 
 
 _CONTEXT = Context()
@@ -18,7 +20,7 @@ def get_context() -> Context:
 
 
 @contextmanager
-def step_context(attention, moe_backend: str):
+def step_context(attention: AttentionBackend | None, moe_backend: str):
     global _CONTEXT
     _CONTEXT = Context(attention, moe_backend)
     try:

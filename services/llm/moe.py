@@ -1,6 +1,8 @@
 """Routed experts of a MoE layer, by the step context's `moe_backend`: transformers' loop (the reference), a
 grouped GEMM over rows grouped by expert, or Triton kernels for decode steps (triton_moe.py)."""
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,15 +12,19 @@ from services.llm.context import get_context
 from services.llm.fusion import fusable
 
 
-BACKENDS = ("loop", "grouped", "triton")
+class ExpertsBackend(Protocol):
+    """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H], plus `residual` if given."""
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def resolve(backend: str, device: torch.device) -> str:
     """`auto`: the Triton kernels on a GPU, the reference loop elsewhere."""
     if backend == "auto":
         return "triton" if torch.device(device).type == "cuda" else "loop"
-    if backend not in BACKENDS:
-        raise ValueError(f"moe must be auto or one of {BACKENDS}, not {backend!r}")
+    if backend not in EXPERTS:
+        raise ValueError(f"moe must be auto or one of {tuple(EXPERTS)}, not {backend!r}")
     return backend
 
 
@@ -26,16 +32,29 @@ def decode_kernels(backend: str, x: torch.Tensor) -> bool:
     return backend == "triton" and x.is_cuda and x.shape[0] <= triton_moe.MAX_TOKENS
 
 
+def _plus(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return out if residual is None else out + residual
+
+
+def _loop(x, ids, weights, gate_up, down, residual=None):
+    return _plus(loop(x, ids, weights, gate_up, down), residual)
+
+
+def _grouped(x, ids, weights, gate_up, down, residual=None):
+    # torch compiles grouped GEMMs for bf16 only
+    return _plus((grouped if x.dtype == torch.bfloat16 else grouped.plain)(x, ids, weights, gate_up, down), residual)
+
+
+def _triton(x, ids, weights, gate_up, down, residual=None):
+    """Decode-sized steps on the Triton kernels, longer ones (and the CPU) on the grouped GEMM."""
+    if decode_kernels("triton", x):
+        return triton_moe.experts(x, ids, weights, gate_up, down, residual=residual)
+    return _grouped(x, ids, weights, gate_up, down, residual)
+
+
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 backend: str = "loop", residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, H]; ids, weights [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H], plus `residual` if given."""
-    if decode_kernels(backend, x):
-        return triton_moe.experts(x, ids, weights, gate_up, down, residual=residual)
-    if backend in ("grouped", "triton"):  # torch compiles grouped GEMMs for bf16 only
-        out = (grouped if x.dtype == torch.bfloat16 else grouped.plain)(x, ids, weights, gate_up, down)
-    else:
-        out = loop(x, ids, weights, gate_up, down)
-    return out if residual is None else out + residual
+    return EXPERTS[backend](x, ids, weights, gate_up, down, residual)
 
 
 def capturable(backend: str, fp8: str = "off") -> bool:
@@ -97,6 +116,10 @@ def route(x, gate_w, top_k: int, norm_topk: bool):
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     return ids, weights.to(logits.dtype)
+
+
+# The bf16 experts by the step context's `moe_backend` (fp8.py's experts dispatch their own way)
+EXPERTS: dict[str, ExpertsBackend] = {"loop": _loop, "grouped": _grouped, "triton": _triton}
 
 
 class Router(nn.Module):
