@@ -34,7 +34,7 @@ def request(text: str, images: list[bytes] = (), audios: list[bytes] = (), speec
 
 
 def run(address: str, req: omni_pb2.GenerateRequest, speech_path: Path | None, out=sys.stdout) -> omni_pb2.Finished:
-    pcm = bytearray()
+    pcm, rate = bytearray(), 0
     finished = None
     with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30)]) as channel:
         for resp in omni_pb2_grpc.OmniStub(channel).Generate(req):
@@ -44,15 +44,16 @@ def run(address: str, req: omni_pb2.GenerateRequest, speech_path: Path | None, o
                 out.flush()
             elif event == "audio":
                 pcm += resp.audio.data
+                rate = resp.audio.sample_rate
             else:
                 finished = resp.finished
     out.write("\n")
-    if speech_path is not None and req.output_modalities[-1] == omni_pb2.MODALITY_AUDIO:
+    if speech_path is not None and rate:  # some audio came, at the chunks' rate
         speech_path.parent.mkdir(parents=True, exist_ok=True)
         with wave.open(str(speech_path), "wb") as w:
             w.setnchannels(1)
             w.setsampwidth(2)
-            w.setframerate(24000)
+            w.setframerate(rate)
             w.writeframes(bytes(pcm))
     return finished
 

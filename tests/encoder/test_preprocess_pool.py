@@ -15,15 +15,18 @@ from conftest import write_config
 
 @pytest.mark.timeout(300)
 def test_worker_processes_decode_on_one_thread_each(tiny_model):
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
     servicer = PreprocessServicer(Preprocessor(tiny_model, Limits(), 50), transport=None, workers=2)
     try:
         asyncio.run(servicer.start())
         threads = [servicer.pool.submit(torch.get_num_threads).result(timeout=120) for _ in range(4)]
+        own = torch.get_num_threads()
     finally:
         servicer.pool.shutdown()
+        torch.set_num_threads(before)
     assert threads == [1, 1, 1, 1]
-    assert torch.get_num_threads() == 2  # the server's own setting is its own
+    assert own == 2  # the server's own setting is its own
 
 
 @pytest.mark.timeout(300)
