@@ -68,7 +68,7 @@ def build_model(cfg: MeshConfig, device: str):
     dtype = DTYPES[cfg.model.dtype]
     if cfg.model.load_format == "random":
         model = on_device(Qwen3OmniMoeForConditionalGeneration, load_config(cfg.model.dir), device, dtype)
-        init_full_model_(model, cfg.model.seed)
+        init_full_model_(model, 0)  # the native engines' random weights (seed 0)
     else:
         model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(cfg.model.dir, dtype=dtype).to(device)
     model.eval()
@@ -94,7 +94,7 @@ class HfEngine:
 
     def settings(self) -> dict:
         return {"device": str(self.device), "dtype": self.cfg.model.dtype, "load_format": self.cfg.model.load_format,
-                "seed": self.cfg.model.seed, "attn_implementation": self.model.config._attn_implementation,
+                "seed": 0, "attn_implementation": self.model.config._attn_implementation,
                 "thinker_sampling": self.spec.thinker_sampling, "talker_sampling": self.spec.talker_sampling,
                 "voice": self.spec.default_voice}
 

@@ -82,7 +82,7 @@ def machine() -> dict:
 def model_info(model_dir: Path | None, model_cfg) -> dict:
     """The model the run used: the mesh config's model section and the sizes from its config.json."""
     info = {"path": str(model_dir) if model_dir else "", "name": model_cfg.name, "load_format": model_cfg.load_format,
-            "dtype": model_cfg.dtype, "seed": model_cfg.seed}
+            "dtype": model_cfg.dtype}
     cfg_path = Path(model_dir) / "config.json" if model_dir else None
     if cfg_path and cfg_path.exists():
         raw = json.loads(cfg_path.read_text())

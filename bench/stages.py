@@ -121,7 +121,7 @@ def hf_thinker_cells(cfg: MeshConfig, device: str, args):
     model = on_device(Thinker, model_config(cfg.model.dir).thinker_config, dev, DTYPES[cfg.model.dtype])
     # The random load format's weights, as the native thinker's: an experts step costs what it chooses, and what
     # it chooses depends on the values, so transformers' own init would not measure the same model.
-    init_weights_(model, component_seed(cfg.model.seed, "thinker"), skip=("visual.", "audio_tower."), lm=True)
+    init_weights_(model, component_seed(0, "thinker"), skip=("visual.", "audio_tower."), lm=True)
     prompt = random_prompts(cfg, args.seed)
     sampling = {k: v for k, v in THINKER_SAMPLING.items() if k != "ignore_eos"}
     for length in args.prompt_lens:

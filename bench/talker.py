@@ -118,7 +118,7 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
         dtype, *mods = name.split("+")
         if dtype not in DTYPES or not set(mods) <= {"native"}:
             raise SystemExit(f"--code2wav-dtypes: unknown precision {name!r} (a precision, then +native)")
-        model = load_component("code2wav", cfg.model.dir, dev, DTYPES[dtype], cfg.model.load_format, cfg.model.seed)
+        model = load_component("code2wav", cfg.model.dir, dev, DTYPES[dtype], cfg.model.load_format)
         model.requires_grad_(False)
         return NativeCode2Wav(model) if mods else model
 

@@ -44,7 +44,7 @@ async def parse(request: Request, model: type[BaseModel]):
 
 def create_app(cfg: MeshConfig) -> FastAPI:
     upstream = Upstream(cfg.gateway.replicas[0].address, cfg.api.request_timeout_s)
-    store = AudioStore(cfg.api.audio_expiry_s)
+    store = AudioStore()
     fetcher = Fetcher(max_body_bytes(cfg)) if cfg.api.allow_url_fetch else None
     started = int(time.time())
 

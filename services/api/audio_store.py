@@ -6,8 +6,11 @@ import time
 from collections import OrderedDict
 
 
+EXPIRY_S = 3600.0  # a reply's audio outlives any live conversation's next turn, not the process's memory
+
+
 class AudioStore:
-    def __init__(self, expiry_s: float, max_items: int = 65536):
+    def __init__(self, expiry_s: float = EXPIRY_S, max_items: int = 65536):
         self.expiry_s, self.max_items = expiry_s, max_items
         self.items: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (transcript, expires at, unix time)
 

@@ -43,7 +43,7 @@ class EncodeJob:
 class Encoder:
     def __init__(self, model: ModelConfig, cfg: EncoderConfig, device: str = "cpu"):
         self.device, self.dtype = torch.device(device), DTYPES[model.dtype]
-        args = model.dir, device, self.dtype, model.load_format, model.seed
+        args = model.dir, device, self.dtype, model.load_format
         self.vision = use_varlen_attention(load_component("vision", *args))
         self.audio = use_varlen_attention(load_component("audio", *args))
         self.plans = VisionPlans(self.vision, self.device)

@@ -31,7 +31,7 @@ def load_model(factory, component: str, model: ModelConfig, device: torch.device
         fuse()
     with torch.device(device), _default_dtype(dtype):
         module = factory(load_config(model.dir))
-    load_weights_(module, component, model.dir, dtype, model.load_format, model.seed)
+    load_weights_(module, component, model.dir, dtype, model.load_format)
     if fp8 != "off":
         quantize_experts_(module, *fp8_layout(fp8, model.dir, model.load_format, component), activations=fp8 == "channel")
     module.to(device).eval().requires_grad_(False)  # no compiled variants for autograd

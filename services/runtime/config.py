@@ -58,8 +58,6 @@ class ModelConfig:
     """`random`: seeded random weights made on the device from the folder's config.json (benchmarks), no file read."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Precision of the weights and activations."""
-    seed: int = 0
-    """Seed of the random weights."""
     name: str = "qwen3-omni"
     """The model's name as clients see it."""
 
@@ -172,8 +170,6 @@ class ApiConfig(StageConfig):
     """API keys a client must send as `Authorization: Bearer KEY`; empty: no authentication."""
     allow_url_fetch: bool = False
     """Fetch media given as http(s) URLs (bounded by the request size limit); off: such URLs are answered 400."""
-    audio_expiry_s: float = 3600.0
-    """How long a chat reply's audio can be referred back to by its `audio.id` in a later turn."""
     request_timeout_s: float = 600.0
     """A request not finished after this long is cut and answered 504 (its deadline at the gateway); 0: none."""
 

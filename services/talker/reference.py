@@ -19,7 +19,7 @@ from services.talker.speech import SpeechEngine
 class ReferenceTalker(SpeechEngine):
     def __init__(self, model: ModelConfig, cfg: TalkerConfig, device: str = "cpu"):
         dtype = DTYPES[model.dtype]
-        talker = load_component("talker", model.dir, device, dtype, model.load_format, model.seed)
+        talker = load_component("talker", model.dir, device, dtype, model.load_format)
         super().__init__(talker, model, cfg.chunks, device, dtype, native_code2wav=False)
 
     def add(self, seq: TalkerSeq) -> None:

@@ -26,8 +26,7 @@ class SpeechEngine:
     def __init__(self, talker, model: ModelConfig, chunks: list[int], device, dtype, native_code2wav: bool):
         """`native_code2wav`: our decoder (code2wav.py), else transformers'."""
         self.device, self.dtype, self.talker = torch.device(device), dtype, talker
-        self.code2wav = load_component("code2wav", model.dir, device, dtype, model.load_format,
-                                       model.seed).requires_grad_(False)
+        self.code2wav = load_component("code2wav", model.dir, device, dtype, model.load_format).requires_grad_(False)
         self.tail = decoded_tail(self.code2wav)  # F frames decode to F * samples_per_frame - tail samples
         if native_code2wav:
             self.code2wav = NativeCode2Wav(self.code2wav)

@@ -17,7 +17,7 @@ from services.thinker.seq import ThinkerSeq, ThinkerStep, accept, validate
 class ReferenceThinker:
     def __init__(self, model: ModelConfig, device: str = "cpu"):
         self.device, self.dtype = torch.device(device), DTYPES[model.dtype]
-        self.lm = load_component("thinker", model.dir, device, self.dtype, model.load_format, model.seed)
+        self.lm = load_component("thinker", model.dir, device, self.dtype, model.load_format)
         spec = OmniSpec.load(model.dir)
         self.accept_layer = spec.talker["accept_hidden_layer"] if spec.has_talker else None
         self.vocab = spec.thinker["text_config"]["vocab_size"]

@@ -28,7 +28,7 @@ def full_mesh(tmp_path_factory):
         return {"port": next(ports), "metrics_port": next(ports), "device": device, **extra}
 
     cfg = {
-        "model": {"path": str(model), "load_format": "random", "dtype": "bfloat16", "seed": 0, "name": "full-random"},
+        "model": {"path": str(model), "load_format": "random", "dtype": "bfloat16", "name": "full-random"},
         "transport": {"pool_bytes": 1 << 30},
         "gateway": {"replicas": [replica()]},
         "preprocess": {"replicas": [replica()]},

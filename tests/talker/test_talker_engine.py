@@ -10,7 +10,6 @@ from references import Case, Reference, native_talker, png, wav
 from services.model.positions import Layout
 from services.llm.sampling import SamplingParams
 from services.model.spec import audio_tokens
-from services.talker.engine import NativeTalker
 from services.talker.seq import TalkerSeq
 
 CASES = {

@@ -10,13 +10,12 @@ host puts in the device buffers the graph reads: with any of it wrong, the token
 """
 
 import sys
-import types
 
 import pytest
 import torch
 
 from references import native_thinker, thinker_seq
-from stand_ins import StandInWrapper, chunk_pages, eager_graphs, stand_in_flashinfer
+from stand_ins import chunk_pages, eager_graphs, stand_in_flashinfer
 from test_thinker_engine import CASES, N, expected, reference, run_staggered  # noqa: F401 (fixtures)
 
 from services.thinker.decode import TokenGraphs
