@@ -6,7 +6,7 @@ import time
 from collections import OrderedDict
 
 
-EXPIRY_S = 3600.0  # a reply's audio outlives any live conversation's next turn, not the process's memory
+EXPIRY_S = 3600.0  # long enough for a conversation's next turns, short enough that old replies do not pile up
 
 
 class AudioStore:
