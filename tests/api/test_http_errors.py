@@ -280,10 +280,16 @@ def test_a_client_that_leaves_mid_stream_frees_every_stage(mesh, api):
     body["talker"]["ignore_eos"] = True
     with httpx.stream("POST", api.url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if '"data":"' in line:  # the first audio delta: the thinker and the talker both hold the request
+        lines = r.iter_lines()  # held: a dropped iterator closes the connection
+        for line in lines:
+            if '"content":"' in line and '"content":""' not in line:  # the first text delta
                 break
-        busy = {stage: _load(mesh, stage) for stage in ("thinker", "talker")}
+        deadline = time.monotonic() + 5
+        while True:  # both hold it at once before the client leaves
+            busy = {stage: _load(mesh, stage) for stage in ("thinker", "talker")}
+            if all(rep.active + rep.queued >= 1 for rep in busy.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         assert all(rep.active + rep.queued >= 1 for rep in busy.values()), busy
     deadline = time.monotonic() + 30
     while True:
