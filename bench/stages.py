@@ -161,7 +161,7 @@ def preprocess_cells(cfg: MeshConfig, device: str, args):
 def encoder_cells(cfg: MeshConfig, device: str, args):
     from services.encoder.engine import EncodeJob, Encoder, Item
 
-    engine = Encoder(cfg.model, cfg.encoder, device)  # as its server builds it
+    engine = Encoder(cfg.model, device)  # as its server builds it
     for kind, (decode, data) in media_items(cfg, args).items():
         f = decode(data)
         item = Item(kind, torch.from_numpy(f.values), f.grid_thw)

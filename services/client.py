@@ -1,6 +1,7 @@
 """A small client of the public API: prints the text as it streams, writes the speech to a WAV file.
 
     python -m services.client "Describe this." [--image a.png] [--audio b.wav] [--speech out.wav] [--address HOST:PORT]
+                              [--tls-ca ca.pem] [--api-key KEY]
 """
 
 import argparse
@@ -33,11 +34,17 @@ def request(text: str, images: list[bytes] = (), audios: list[bytes] = (), speec
     return req
 
 
-def run(address: str, req: omni_pb2.GenerateRequest, speech_path: Path | None, out=sys.stdout) -> omni_pb2.Finished:
+def run(address: str, req: omni_pb2.GenerateRequest, speech_path: Path | None, out=sys.stdout,
+        tls_ca: Path | None = None, api_key: str = "") -> omni_pb2.Finished:
+    """One request, streamed; over TLS trusting `tls_ca` when given, with `api_key` as its bearer when given."""
     pcm, rate = bytearray(), 0
     finished = None
-    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30)]) as channel:
-        for resp in omni_pb2_grpc.OmniStub(channel).Generate(req):
+    options = [("grpc.max_receive_message_length", 1 << 30)]
+    channel = grpc.insecure_channel(address, options) if tls_ca is None else \
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca.read_bytes()), options)
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    with channel:
+        for resp in omni_pb2_grpc.OmniStub(channel).Generate(req, metadata=metadata):
             event = resp.WhichOneof("event")
             if event == "text":
                 out.write(resp.text.text)
@@ -99,11 +106,13 @@ def main() -> None:
     parser.add_argument("--speech", type=Path, default=None, help="ask for speech and write it to this WAV file")
     parser.add_argument("--voice", default="")
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--tls-ca", type=Path, default=None, help="the CA to trust: the gateway serves TLS")
+    parser.add_argument("--api-key", default="", help="sent as `authorization: Bearer KEY`")
     args = parser.parse_args()
     req = request(args.text, [p.read_bytes() for p in args.image], [p.read_bytes() for p in args.audio],
                   speech=args.speech is not None, voice=args.voice, max_tokens=args.max_tokens)
     try:
-        finished = run(args.address, req, args.speech)
+        finished = run(args.address, req, args.speech, tls_ca=args.tls_ca, api_key=args.api_key)
     except grpc.RpcError as e:
         sys.exit(f"error: {e.code().name}: {e.details()}")
     print(f"[{omni_pb2.FinishReason.Name(finished.reason)}] {finished.usage.completion_tokens} tokens, "

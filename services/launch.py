@@ -70,7 +70,7 @@ class Mesh:
                 code = self.procs[name].poll()
                 if code is not None:
                     raise RuntimeError(f"{name} exited with code {code} while starting:\n{self.log_tail(name)}")
-                if stage_serving(*pending[name], timeout=1.0):
+                if stage_serving(*pending[name], timeout=1.0, security=self.cfg.security):
                     log.info("%s is serving on %s", name, pending[name][1])
                     del pending[name]
             if pending and time.monotonic() > deadline:

@@ -76,7 +76,7 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bo
         "limits": {"max_request_bytes": 4 << 20, "max_media_items": 4, "max_image_pixels": 1 << 20,
                    "max_audio_seconds": 20, "max_video_frames": 8, "max_new_tokens": 256, "max_talker_frames": 1024,
                    "max_context_tokens": 512},
-        "transport": {"pool_bytes": 64 << 20, "reclaim_after_s": 10.0},
+        "transport": {"pool_bytes": 64 << 20},
         "gateway": {"replicas": replicas(1)},
         "preprocess": {"replicas": replicas(1)},
         "encoder": {"replicas": enc},
@@ -84,7 +84,7 @@ def write_config(path: Path, model_dir: Path, encoders: int = 2, with_talker: bo
         "talker": {"replicas": replicas(1) if with_talker else [], "chunks": [4, 8]},
     }
     for key, value in overrides.items():
-        cfg[key].update(value)
+        cfg.setdefault(key, {}).update(value)
     path.write_text(yaml.safe_dump(cfg))
     return path
 

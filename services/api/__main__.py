@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from services.api.app import create_app
 from services.runtime.config import load_config
+from services.runtime.security import CERT, KEY
 from services.runtime.server import die_with_launcher
 
 log = logging.getLogger("api")
@@ -23,9 +24,10 @@ async def serve(cfg, replica: int) -> None:
     host = r.bind_address.rsplit(":", 1)[0]
     start_http_server(r.metrics_port, addr=host)
     # httptools: requests parsed and replies framed in C, not h11's Python (a streamed token costs less CPU).
+    tls = {} if cfg.security.dir is None else {"ssl_certfile": str(cfg.security.dir / CERT), "ssl_keyfile": str(cfg.security.dir / KEY)}
     config = uvicorn.Config(create_app(cfg), host=host, port=r.port, loop="asyncio", http="httptools", lifespan="on",
-                            access_log=False, log_level="warning", timeout_graceful_shutdown=5)
-    log.info("api[%d] serving on http://%s (gateway %s, metrics :%d)", replica, r.bind_address,
+                            access_log=False, log_level="warning", timeout_graceful_shutdown=5, **tls)
+    log.info("api[%d] serving on http%s://%s (gateway %s, metrics :%d)", replica, "s" if tls else "", r.bind_address,
              cfg.gateway.replicas[0].address, r.metrics_port)
     await uvicorn.Server(config).serve()
     log.info("api[%d] stopped", replica)

@@ -43,7 +43,7 @@ async def parse(request: Request, model: type[BaseModel]):
 
 
 def create_app(cfg: MeshConfig) -> FastAPI:
-    upstream = Upstream(cfg.gateway.replicas[0].address, cfg.api.request_timeout_s)
+    upstream = Upstream(cfg.gateway.replicas[0].address, cfg.api.request_timeout_s, cfg.security)
     store = AudioStore()
     fetcher = Fetcher(max_body_bytes(cfg)) if cfg.api.allow_url_fetch else None
     started = int(time.time())
@@ -120,6 +120,6 @@ def create_app(cfg: MeshConfig) -> FastAPI:
         return speech.reply(req, first, call)
 
     # Outermost first: every answer is counted, the refused ones too.
-    app.add_middleware(Guard, keys=cfg.api.keys, max_body=max_body_bytes(cfg))
+    app.add_middleware(Guard, keys=cfg.security.keys, max_body=max_body_bytes(cfg))
     app.add_middleware(Metrics)
     return app

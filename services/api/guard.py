@@ -1,9 +1,8 @@
 """What every /v1 request passes before a handler sees it: its API key (when keys are configured) and the size of its
 body, refused from Content-Length before any of it is read, or as soon as a body sent in chunks grows past it."""
 
-import hmac
-
 from services.api.errors import ApiError
+from services.runtime.security import key_matches
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -23,14 +22,8 @@ class Guard:
         self.app, self.keys, self.max_body = app, [k.encode() for k in keys], max_body
 
     def _refusal(self, scope) -> ApiError | None:
-        if self.keys:
-            auth = _header(scope, b"authorization") or ""
-            if not auth.startswith("Bearer "):
-                return ApiError(401, "You didn't provide an API key: send it as `Authorization: Bearer KEY`.",
-                                code="invalid_api_key")
-            given = auth[len("Bearer "):].strip().encode()
-            if not any(hmac.compare_digest(given, k) for k in self.keys):
-                return ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        if (why := key_matches(self.keys, _header(scope, b"authorization"))) is not None:
+            return ApiError(401, why[0].upper() + why[1:] + ".", code="invalid_api_key")
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return TooLarge(self.max_body)

@@ -9,15 +9,18 @@ from starlette.requests import Request
 
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.api.errors import ApiError, from_grpc
+from services.runtime.config import SecurityConfig
+from services.runtime.security import aio_channel, bearer
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
 INFO_FRESH_S = 10.0  # the model the gateway serves is asked again after this long (a gateway restarted with another)
 
 
 class Upstream:
-    def __init__(self, address: str, timeout_s: float):
-        self.address, self.timeout = address, timeout_s or None
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout_s: float, security: SecurityConfig | None = None):
+        security = security or SecurityConfig()
+        self.address, self.timeout, self.metadata = address, timeout_s or None, bearer(security)
+        self.channel = aio_channel(security, address, options=CHANNEL_OPTIONS)
         self.stub = omni_pb2_grpc.OmniStub(self.channel)
         self._info: omni_pb2.ModelInfo | None = None
         self._asked = 0.0
@@ -25,7 +28,7 @@ class Upstream:
     async def info(self, fresh_s: float = INFO_FRESH_S) -> omni_pb2.ModelInfo:
         if self._info is None or time.monotonic() - self._asked > fresh_s:
             try:
-                self._info = await self.stub.GetModelInfo(omni_pb2.GetModelInfoRequest(), timeout=5.0)
+                self._info = await self.stub.GetModelInfo(omni_pb2.GetModelInfoRequest(), timeout=5.0, metadata=self.metadata)
             except grpc.aio.AioRpcError as e:
                 raise from_grpc(e) from None
             self._asked = time.monotonic()
@@ -40,7 +43,7 @@ class Upstream:
         return info
 
     def generate(self, req: omni_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall:
-        return self.stub.Generate(req, timeout=self.timeout)
+        return self.stub.Generate(req, timeout=self.timeout, metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -12,7 +12,7 @@ from services.encoder.plans import VisionPlans
 from services.model.load import load_component
 from services.model.spec import audio_tokens
 from services.preprocess.media import PixelNorm
-from services.runtime.config import EncoderConfig, ModelConfig
+from services.runtime.config import ModelConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.protoconv import DTYPES
 
@@ -41,13 +41,13 @@ class EncodeJob:
 
 
 class Encoder:
-    def __init__(self, model: ModelConfig, cfg: EncoderConfig, device: str = "cpu"):
+    def __init__(self, model: ModelConfig, device: str = "cpu", graphs: bool = True):
         self.device, self.dtype = torch.device(device), DTYPES[model.dtype]
         args = model.dir, device, self.dtype, model.load_format
         self.vision = use_varlen_attention(load_component("vision", *args))
         self.audio = use_varlen_attention(load_component("audio", *args))
         self.plans = VisionPlans(self.vision, self.device)
-        graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        graphs = graphs and self.device.type == "cuda"  # off: eager, the reference the graphs are held to
         self.vision_graphs = VisionGraphs(self.vision, self.plans, self.device) if graphs else None
         vc = self.vision.config
         self.patch_width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2

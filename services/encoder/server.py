@@ -42,7 +42,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.encoder.replicas[replica]
-    engine = Encoder(cfg.model, cfg.encoder, r.device)
+    engine = Encoder(cfg.model, r.device)
     if engine.device.type == "cuda":
         engine.warm()
     return engine_stage(server, "encoder", cfg, replica, engine, lambda w, t: EncoderServicer(w, t, r.device),

@@ -74,15 +74,16 @@ class Gateway:
         self.cfg = cfg
         self.spec = OmniSpec.load(cfg.model.dir)
         self.prompts = PromptBuilder(cfg.model.dir, self.spec)
-        poll, routing = LOAD_POLL_S, cfg.gateway.routing
+        poll, routing, sec = LOAD_POLL_S, cfg.gateway.routing, cfg.security
         self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub, poll_s=poll,
-                                 stage="preprocess")
+                                 stage="preprocess", security=sec)
         self.encoders = Router(cfg.encoder.replicas, encoder_pb2_grpc.EncoderStub, routing == "modality", poll,
-                               routing == "fixed", stage="encoder")
+                               routing == "fixed", stage="encoder", security=sec)
         self.thinkers = Router(cfg.thinker.replicas, thinker_pb2_grpc.ThinkerStub, routing == "modality", poll,
-                               routing == "fixed", stage="thinker")
+                               routing == "fixed", stage="thinker", security=sec)
         has_talker = bool(cfg.talker.replicas) and self.spec.has_talker
-        self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub, poll_s=poll, stage="talker") if has_talker else None
+        self.talkers = Router(cfg.talker.replicas, talker_pb2_grpc.TalkerStub, poll_s=poll, stage="talker",
+                              security=sec) if has_talker else None
         self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions
         self.tts_ids = [self.spec.raw[k] for k in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")]
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import grpc
 
 from omni.stage.v1 import load_pb2, load_pb2_grpc
-from services.runtime.config import Replica
+from services.runtime.config import Replica, SecurityConfig
 from services.runtime.errors import Unavailable
+from services.runtime.security import aio_channel
 from services.runtime.server import STAGE_MESSAGE_BYTES, grpc_options
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,12 @@ class Endpoint:
 
 class Router:
     def __init__(self, replicas: list[Replica], stub_cls, by_modality: bool = False, poll_s: float = 0.0,
-                 fixed: bool = False, stage: str = "stage"):
+                 fixed: bool = False, stage: str = "stage", security: SecurityConfig | None = None):
         """`by_modality`: the preferred replica while idle or least loaded; `fixed`: whatever its load."""
         self.by_modality, self.fixed, self.poll_s, self.stage = by_modality or fixed, fixed, poll_s, stage
         self.endpoints = []
         for i, r in enumerate(replicas):
-            channel = grpc.aio.insecure_channel(r.address, options=grpc_options(STAGE_MESSAGE_BYTES))
+            channel = aio_channel(security or SecurityConfig(), r.address, options=grpc_options(STAGE_MESSAGE_BYTES))
             self.endpoints.append(Endpoint(i, r, channel, stub_cls(channel), load_pb2_grpc.LoadStub(channel)))
         self._tiebreak = itertools.count()
         self._poller: asyncio.Task | None = None

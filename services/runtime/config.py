@@ -94,8 +94,26 @@ class TransportConfig:
     """Each process's shared-memory pool (a sparse file: it costs what it holds)."""
     cuda_pool_bytes: int = 1 << 30
     """Each GPU process's CUDA IPC pool, per GPU."""
-    reclaim_after_s: float = 60.0
-    """A slot its consumer never released is reclaimed after this long."""
+
+
+@dataclass
+class SecurityConfig:
+    """Who may reach the mesh: TLS on the public ports, mutual TLS between stages, keys on the public APIs."""
+
+    tls_dir: str = ""
+    """Folder of `ca.pem`, `mesh.pem` and `mesh-key.pem` (`scripts/dev-certs` makes one): the public ports serve
+    TLS and stages accept only peers holding a certificate of that CA; empty: plaintext."""
+    keys: list[str] = field(default_factory=list)
+    """API keys a client of the gateway or the HTTP door must send as `authorization: Bearer KEY`; empty: none."""
+    reflection: bool = True
+    """Internal stages serve gRPC reflection (the gateway always does, its API being public)."""
+
+    @property
+    def dir(self) -> Path | None:
+        if not self.tls_dir:
+            return None
+        p = Path(self.tls_dir)
+        return p if p.is_absolute() else REPO_ROOT / p
 
 
 @dataclass
@@ -114,8 +132,7 @@ class PreprocessConfig(StageConfig):
 
 @dataclass
 class EncoderConfig(StageConfig):
-    cuda_graphs: bool = True
-    """Replay the vision tower from CUDA graphs on a GPU; off: eager."""
+    """The vision and audio towers (the vision tower replays CUDA graphs on a GPU)."""
 
 
 @dataclass
@@ -163,8 +180,6 @@ class TalkerConfig(EngineConfig):
 class ApiConfig(StageConfig):
     """The OpenAI-compatible HTTP door (services/api): `port` serves HTTP, `metrics_port` Prometheus."""
 
-    keys: list[str] = field(default_factory=list)
-    """API keys a client must send as `Authorization: Bearer KEY`; empty: no authentication."""
     allow_url_fetch: bool = False
     """Fetch media given as http(s) URLs (bounded by the request size limit); off: such URLs are answered 400."""
     request_timeout_s: float = 600.0
@@ -176,6 +191,7 @@ class MeshConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     limits: Limits = field(default_factory=Limits)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
@@ -211,8 +227,12 @@ class MeshConfig:
             raise ConfigError(f"talker.chunks must be positive frame counts, not {self.talker.chunks}")
         if self.preprocess.workers < 1:
             raise ConfigError("preprocess.workers must be at least 1")
-        if any(not k for k in self.api.keys):
-            raise ConfigError("api.keys: an empty key would let any client in")
+        if any(not k for k in self.security.keys):
+            raise ConfigError("security.keys: an empty key would let any client in")
+        if self.security.dir is not None:
+            missing = [n for n in ("ca.pem", "mesh.pem", "mesh-key.pem") if not (self.security.dir / n).is_file()]
+            if missing:
+                raise ConfigError(f"security.tls_dir {self.security.tls_dir}: missing {', '.join(missing)} (scripts/dev-certs makes them)")
         if self.model.load_format == "auto" and not self.model.path:
             raise ConfigError("model.path is required unless model.load_format is 'random'")
         return self

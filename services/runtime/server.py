@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from google.protobuf import message_factory
 from prometheus_client import start_http_server
 
@@ -24,11 +24,15 @@ from omni.stage.v1 import load_pb2
 from services.runtime import heap, metrics
 from services.runtime.config import MeshConfig, load_config
 from services.runtime.metrics import parse
+from services.runtime.security import HANDLERS, KeyInterceptor, server_credentials
 from services.runtime.worker import use_device
 
 log = logging.getLogger(__name__)
 
 STAGE_MESSAGE_BYTES = 1 << 30  # stages hand tensors inline where they cannot share memory
+# The services a stage offers the world (API keys apply to them); the others' callers are the mesh itself.
+PUBLIC_SERVICES = {"gateway": ("omni.v1.Omni/",)}
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # An engine thread's wait for the interpreter lock: Python's default would follow each of its device waits
 SWITCH_INTERVAL_S = 0.0005
 
@@ -43,10 +47,6 @@ class Stage:
 
 Builder = Callable[[MeshConfig, int, grpc.aio.Server], Awaitable[Stage]]
 
-_HANDLERS = {
-    (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
-}
 
 
 def add_service(server: grpc.aio.Server, servicer, service) -> str:
@@ -55,7 +55,7 @@ def add_service(server: grpc.aio.Server, servicer, service) -> str:
     for m in service.methods:
         request_cls = message_factory.GetMessageClass(m.input_type)
         response_cls = message_factory.GetMessageClass(m.output_type)
-        handlers[m.name] = _HANDLERS[m.client_streaming, m.server_streaming](
+        handlers[m.name] = HANDLERS[m.client_streaming, m.server_streaming](
             getattr(servicer, m.name), request_deserializer=functools.partial(parse, request_cls),
             response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
@@ -96,6 +96,18 @@ class LoadServicer:
         return load_pb2.LoadReport(stage=self.stage, replica=self.replica, in_flight=self.in_flight(), **extra)
 
 
+def enable_reflection(server: grpc.aio.Server, services: list[str]) -> None:
+    """gRPC reflection, as `grpc.reflection.v1` (what grpcurl asks first) and `v1alpha`: one servicer answers both,
+    their messages being the same on the wire."""
+    names = [*services, reflection.SERVICE_NAME]
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection.enable_server_reflection(names, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),))
+
+
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -109,15 +121,20 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     use_device(r.device)
     metrics.set_stage(stage)
     start_http_server(r.metrics_port, addr=r.bind_address.rsplit(":", 1)[0])
-    server = grpc.aio.server(options=grpc_options(max_message_bytes))
+    sec = cfg.security
+    public = PUBLIC_SERVICES.get(stage, ())
+    interceptors = [KeyInterceptor(sec.keys, public)] if sec.keys and public else []
+    server = grpc.aio.server(options=grpc_options(max_message_bytes), interceptors=interceptors)
     built = await build(cfg, replica, server)
     log.info("%s[%d] froze %d objects built before serving", stage, replica, heap.freeze())
     built.services.append(add_service(server, LoadServicer(stage, replica, built.load), load_pb2.DESCRIPTOR.services_by_name["Load"]))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [*built.services, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
-    if server.add_insecure_port(r.bind_address) == 0:
+    if public or sec.reflection:
+        enable_reflection(server, [*built.services, health.SERVICE_NAME])
+    creds = server_credentials(sec, stage)
+    port = server.add_insecure_port(r.bind_address) if creds is None else server.add_secure_port(r.bind_address, creds)
+    if port == 0:
         raise RuntimeError(f"{stage}: cannot listen on {r.bind_address}")
     stop = asyncio.Event()  # a stage that says it serves can be stopped
     loop = asyncio.get_running_loop()

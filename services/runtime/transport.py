@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 64
 MAX_SLOTS = 4096  # refs a pool has out at once
+RECLAIM_AFTER_S = 30.0  # a crashed consumer's slots come back, long after any stream's slowest read
 INLINE_BYTES = 16384  # host tensors this small go inside the message (a token's speech states)
 SHM_DOMAIN = "local"  # one config's processes share /dev/shm (one host, one IPC namespace)
 SWEEP_EVERY_S = 0.002  # a put frees released slots at most this often, and whenever it finds no room
@@ -186,8 +187,8 @@ class _PoolView:
 
 
 class Transport:
-    def __init__(self, cfg: TransportConfig, owner: str):
-        self.cfg, self.owner = cfg, owner
+    def __init__(self, cfg: TransportConfig, owner: str, reclaim_after_s: float = RECLAIM_AFTER_S):
+        self.cfg, self.owner, self.reclaim_after_s = cfg, owner, reclaim_after_s
         self.shm_domain = SHM_DOMAIN if cfg.shm else ""
         self._pool: ShmPool | None = None
         self._cuda_pools: dict = {}  # device -> CudaPool
@@ -202,7 +203,7 @@ class Transport:
             if self._pool is None:
                 clean_stale_pools()
                 name = f"omni-{self.owner}-{os.getpid()}"
-                self._pool = ShmPool(name, self.cfg.pool_bytes, MAX_SLOTS, self.cfg.reclaim_after_s)
+                self._pool = ShmPool(name, self.cfg.pool_bytes, MAX_SLOTS, self.reclaim_after_s)
             return self._pool
 
     def cuda_pool(self, device: torch.device):
@@ -213,7 +214,7 @@ class Transport:
             if device not in self._cuda_pools:
                 clean_stale_pools()
                 self._cuda_pools[device] = CudaPool(self.owner, device, self.cfg.cuda_pool_bytes, MAX_SLOTS,
-                                                    self.cfg.reclaim_after_s)
+                                                    self.reclaim_after_s)
             return self._cuda_pools[device]
 
     def _count(self, transport: str, direction: str, nbytes: int) -> None:

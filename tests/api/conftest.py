@@ -22,13 +22,17 @@ class Door:
         return self.url + "/v1"
 
 
-def start_api(mesh_config: Path, tmp: Path, name: str, gateway: str | None = None, **api) -> Door:
-    """An api process reading `mesh_config` (its gateway replaced by `gateway` when given) plus an api section."""
+def start_api(mesh_config: Path, tmp: Path, name: str, gateway: str | None = None, security: dict | None = None,
+              **api) -> Door:
+    """An api process reading `mesh_config` (its gateway replaced by `gateway` when given) plus an api section (and a
+    security one)."""
     from services.launch import Mesh
 
     cfg = yaml.safe_load(mesh_config.read_text())
     port, metrics_port = free_ports(2)
     cfg["api"] = {"replicas": [{"port": port, "metrics_port": metrics_port}], **api}
+    if security is not None:
+        cfg["security"] = security
     if gateway is not None:
         host, gport = gateway.rsplit(":", 1)
         cfg["gateway"]["replicas"] = [{"host": host, "port": int(gport), "metrics_port": free_ports(1)[0]}]

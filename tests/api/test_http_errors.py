@@ -195,7 +195,7 @@ def test_a_failure_mid_stream_is_an_error_event(fake):
 @pytest.fixture(scope="module")
 def strict(mesh, tmp_path_factory):
     """An api process with keys, fetching URLs, and a 3 s deadline."""
-    door = start_api(mesh.config_path, tmp_path_factory.mktemp("strict"), "api-strict", keys=["key-one", "key-two"],
+    door = start_api(mesh.config_path, tmp_path_factory.mktemp("strict"), "api-strict", security={"keys": ["key-one", "key-two"]},
                      allow_url_fetch=True, request_timeout_s=3.0)
     yield door
     stop(door)

@@ -8,7 +8,7 @@ from references import png, wav
 from references import model_config
 from services.encoder.engine import EncodeJob, Encoder, Item
 from services.preprocess.media import PixelNorm, Preprocessor, open_image
-from services.runtime.config import EncoderConfig, Limits
+from services.runtime.config import Limits
 
 
 def transformers_embeds(model_dir, items: list[Item]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -37,7 +37,7 @@ def test_the_engines_batched_towers_equal_transformers_per_item(tiny_model):
              pre.video([png(5 + i, 64, 64) for i in range(3)], 2.0),
              pre.audio_file(wav(8, 1.0)), pre.audio_file(wav(9, 2.5)), pre.audio_file(wav(10, 7.0))]
     items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
-    engine = Encoder(model_config(tiny_model), EncoderConfig())
+    engine = Encoder(model_config(tiny_model))
     got = [e for _, enc in engine.step([EncodeJob(items[:5]), EncodeJob(items[5:])]) for e in enc]
     for (embeds, deepstack), y, f in zip(transformers_embeds(tiny_model, items), got, feats):
         assert len(y.embeds) == f.num_tokens

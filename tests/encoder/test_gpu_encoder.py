@@ -19,7 +19,7 @@ def test_full_size_towers_with_varlen_attention_track_transformers_sdpa(tmp_path
     from services.model.build import build_full_skeleton
     from services.model.load import load_component
     from services.preprocess.media import PixelNorm, Preprocessor
-    from services.runtime.config import EncoderConfig, Limits, ModelConfig
+    from services.runtime.config import Limits, ModelConfig
 
     model_dir = build_full_skeleton(tmp_path / "model")
     pre = Preprocessor(model_dir, Limits())
@@ -27,7 +27,7 @@ def test_full_size_towers_with_varlen_attention_track_transformers_sdpa(tmp_path
     feats = [pre.image(image_png(s, n)) for s, n in ((0, 512), (1, 512), (2, 256))]
     feats += [pre._audio(pcm[:n], 16000, "audio") for n in (16000 * 7, 16000 * 3)]
     items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
-    engine = Encoder(ModelConfig(path=str(model_dir), load_format="random"), EncoderConfig(cuda_graphs=False), "cuda:0")
+    engine = Encoder(ModelConfig(path=str(model_dir), load_format="random"), "cuda:0", graphs=False)
     args = (model_dir, "cuda:0", torch.bfloat16, "random", 0)
     vision, audio, norm = load_component("vision", *args), load_component("audio", *args), PixelNorm(model_dir)
 
@@ -69,15 +69,15 @@ def test_vision_graphs_give_the_eager_towers_embeddings(tmp_path):
     from services.encoder.engine import EncodeJob, Encoder, Item
     from services.model.build import build_full_skeleton
     from services.preprocess.media import Preprocessor
-    from services.runtime.config import EncoderConfig, Limits, ModelConfig
+    from services.runtime.config import Limits, ModelConfig
 
     model_dir = build_full_skeleton(tmp_path / "model")
     pre = Preprocessor(model_dir, Limits())
     feats = [pre.image(image_png(s, n)) for s, n in ((0, 512), (1, 512), (2, 256))]
     items = [Item(f.kind, torch.from_numpy(f.values), f.grid_thw) for f in feats]
     model = ModelConfig(path=str(model_dir), load_format="random")
-    eager = Encoder(model, EncoderConfig(cuda_graphs=False), "cuda:0")
-    graphed = Encoder(model, EncoderConfig(), "cuda:0")
+    eager = Encoder(model, "cuda:0", graphs=False)
+    graphed = Encoder(model, "cuda:0")
     graphed.warm()
     graphs = graphed.vision_graphs.graphs
     assert len(graphs.graphs) == 1  # the warm-up's one 512x512 image

@@ -15,9 +15,10 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8]
 SHAPES = [(1,), (7,), (3, 5), (256, 2048), (2, 3, 4), (1000, 33)]
-CFG = TransportConfig(cuda_pool_bytes=256 << 20, reclaim_after_s=60.0)
+CFG = TransportConfig(cuda_pool_bytes=256 << 20)
 IN_FLIGHT = 64  # refs a test producer has out at once (of 256 MB)
-QUICK_RECLAIM = TransportConfig(cuda_pool_bytes=64 << 20, reclaim_after_s=3.0)
+QUICK_RECLAIM = TransportConfig(cuda_pool_bytes=64 << 20)
+QUICK_RECLAIM_S = 3.0
 
 
 _BASE: dict = {}
@@ -137,7 +138,7 @@ def test_concurrent_producers_and_consumers():
 def _map_and_die(data: bytes, ready) -> None:
     from services.runtime.transport import Transport
 
-    t = Transport(QUICK_RECLAIM, "dying")
+    t = Transport(QUICK_RECLAIM, "dying", reclaim_after_s=QUICK_RECLAIM_S)
     ref = tensor_pb2.TensorRef.FromString(data)
     t._mapped_pool(ref.cuda)  # maps the pool, never reads or releases the slot
     ready.set()
@@ -147,7 +148,7 @@ def _map_and_die(data: bytes, ready) -> None:
 def test_a_killed_consumers_slots_are_reclaimed():
     from services.runtime.transport import Transport
 
-    t = Transport(QUICK_RECLAIM, "killprod")
+    t = Transport(QUICK_RECLAIM, "killprod", reclaim_after_s=QUICK_RECLAIM_S)
     placement = tensor_pb2.Placement(shm_domain="local", cuda=True)
     refs = [t.put(tensor(i, "cuda:0"), placement) for i in range(20)]
     ctx = mp.get_context("spawn")
@@ -158,7 +159,7 @@ def test_a_killed_consumers_slots_are_reclaimed():
     proc.kill()
     proc.join()
     pool = t.cuda_pool(torch.device("cuda:0"))
-    deadline = time.monotonic() + QUICK_RECLAIM.reclaim_after_s + 5
+    deadline = time.monotonic() + QUICK_RECLAIM_S + 5
     while pool.table.slots_in_use and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pool.table.slots_in_use == 0

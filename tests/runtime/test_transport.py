@@ -53,8 +53,8 @@ def clock(monkeypatch) -> Clock:
 @pytest.fixture
 def pair(no_inline, monkeypatch):
     monkeypatch.setattr(transport, "MAX_SLOTS", 64)
-    cfg = TransportConfig(pool_bytes=1 << 20, reclaim_after_s=1.0)
-    producer, consumer = Transport(cfg, "testprod"), Transport(cfg, "testcons")
+    cfg = TransportConfig(pool_bytes=1 << 20)
+    producer, consumer = Transport(cfg, "testprod", reclaim_after_s=1.0), Transport(cfg, "testcons", reclaim_after_s=1.0)
     yield producer, consumer
     producer.close()
 
@@ -122,7 +122,7 @@ def test_a_killed_consumer_leaves_no_slot_held(no_inline, clock):
     calls sweep()) keeps the slot while the clock stays under reclaim_after_s, however often it sweeps meanwhile,
     and reclaims it once past."""
     reclaim = 0.2  # the sweeper's period: reclaim / 4, at least 50 ms
-    producer = Transport(TransportConfig(pool_bytes=1 << 20, reclaim_after_s=reclaim), "killtest")
+    producer = Transport(TransportConfig(pool_bytes=1 << 20), "killtest", reclaim_after_s=reclaim)
     try:
         ref = producer.put(make(torch.float32, (1000,)), HERE)
         ctx = mp.get_context("spawn")
@@ -141,7 +141,7 @@ def test_a_killed_consumer_leaves_no_slot_held(no_inline, clock):
 
 def test_a_full_pool_falls_back_to_inline_without_corruption(no_inline, monkeypatch):
     monkeypatch.setattr(transport, "MAX_SLOTS", 4)
-    cfg = TransportConfig(pool_bytes=4096, reclaim_after_s=60)
+    cfg = TransportConfig(pool_bytes=4096)
     producer, consumer = Transport(cfg, "small"), Transport(cfg, "smallc")
     try:
         before = metrics.SHM_FALLBACKS.labels("shm")._value.get()
@@ -207,7 +207,7 @@ def test_a_put_that_finds_no_room_frees_what_consumers_released_first(no_inline,
     """Puts sweep their pool at most every SWEEP_EVERY_S; one that finds no room sweeps at once, so a slot a
     consumer just released serves it, and the gauges follow the pool."""
     monkeypatch.setattr(transport, "MAX_SLOTS", 4)
-    cfg = TransportConfig(pool_bytes=4096, reclaim_after_s=60)
+    cfg = TransportConfig(pool_bytes=4096)
     producer, consumer = Transport(cfg, "roomy"), Transport(cfg, "roomyc")
     try:
         tensors = [make(torch.float32, (300,), i) for i in range(4)]
