@@ -43,7 +43,7 @@ class PromptBuilder:
     def check_text(self, text: str, where: str) -> None:
         for token in self.reserved:
             if token in text:
-                raise InvalidArgument(f"{where}: text contains the reserved token {token!r}")
+                raise InvalidArgument(f"{where}: text contains the reserved token {token}")
 
     def build(self, messages: list[dict], media: list[MediaRef]) -> Prompt:
         """`messages` in chat-template form, their media parts in the order of `media`."""
