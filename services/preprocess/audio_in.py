@@ -37,8 +37,9 @@ def resample(pcm: np.ndarray, rate: int, to: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def decode_file(data: bytes, rate: int, max_seconds: float, where: str) -> np.ndarray:
-    """An audio file's first audio stream -> mono float32 samples at `rate`."""
+def decode_file(data: bytes, rate: int, max_seconds: float, where: str, check=None) -> np.ndarray:
+    """An audio file's first audio stream -> mono float32 samples at `rate`; `check(seconds, where)` raises for a
+    duration refused for other reasons (the context), from the header before decoding and after it."""
     if not data:
         raise InvalidArgument(f"{where}: empty audio")
     try:
@@ -52,6 +53,8 @@ def decode_file(data: bytes, rate: int, max_seconds: float, where: str) -> np.nd
         seconds = _header_seconds(container, stream)
         if seconds is not None and seconds > max_seconds:
             raise too_long(seconds, max_seconds, where)
+        if seconds is not None and check is not None:
+            check(seconds, where)
         # Planar float at the model's rate, every channel kept: averaged below, the same mono as RawPcm's.
         resampler = av.AudioResampler(format="fltp", rate=rate)
         limit = int(max_seconds * rate) + rate  # a header that understates its length is caught while decoding
@@ -73,4 +76,6 @@ def decode_file(data: bytes, rate: int, max_seconds: float, where: str) -> np.nd
         raise InvalidArgument(f"{where}: audio has no samples")
     if len(pcm) > max_seconds * rate:
         raise too_long(len(pcm) / rate, max_seconds, where)
+    if check is not None:
+        check(len(pcm) / rate, where)
     return pcm

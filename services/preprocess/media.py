@@ -54,13 +54,16 @@ def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
         raise ResourceExhausted(f"{where}: image too large: {e}") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many kinds for corrupt data
         raise InvalidArgument(f"{where}: cannot decode image: {e}") from None
+    if img.mode.startswith("I"):  # 16-bit grey: PIL's convert clips it to 8 bits (white), so scale it down instead
+        img = Image.fromarray((np.asarray(img, dtype=np.float32) / 257).round().clip(0, 255).astype(np.uint8), "L")
     return img.convert("RGB")
 
 
 class Preprocessor:
     """Uses the checkpoint's own processor settings (preprocessor_config.json)."""
 
-    def __init__(self, model_dir, limits: Limits, n_window: int = 50):
+    def __init__(self, model_dir, limits: Limits, n_window: int = 50, context: int = 0):
+        """`context`: the tokens a prompt may hold (0: no bound); audio past it is refused before it is decoded."""
         from transformers import WhisperFeatureExtractor
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -68,6 +71,9 @@ class Preprocessor:
         self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
         self.model_dir, self.limits, self.n_window = model_dir, limits, n_window
         self.merge = self.images.merge_size
+        self.context = context
+        # The longest audio whose tokens fit the context (mel frames are 100 a second)
+        self.context_seconds = context_seconds(context, n_window) if context else float("inf")
 
     def image(self, data: bytes, where: str = "image") -> Features:
         """The processor's patches, the same bytes, resized as it resizes but in uint8 (its float pass is slow)."""
@@ -121,7 +127,8 @@ class Preprocessor:
                         second_per_grid=ip.temporal_patch_size / fps)
 
     def audio_file(self, data: bytes, where: str = "audio") -> Features:
-        return self._audio(decode_file(data, SAMPLE_RATE, self.limits.max_audio_seconds, where), SAMPLE_RATE, where)
+        pcm = decode_file(data, SAMPLE_RATE, self.limits.max_audio_seconds, where, self._check_context)
+        return self._audio(pcm, SAMPLE_RATE, where)
 
     def audio_pcm(self, data: bytes, rate: int, encoding: str, channels: int, where: str = "audio") -> Features:
         channels = channels or 1
@@ -138,15 +145,21 @@ class Preprocessor:
         pcm = np.frombuffer(data, "<i2" if width == 2 else "<f4").astype(np.float32)
         if width == 2:
             pcm /= 32768.0
-        if not np.isfinite(pcm).all():
-            raise InvalidArgument(f"{where}: PCM contains NaN or infinity")
         return self._audio(pcm.reshape(-1, channels).mean(axis=1), rate, where)
 
     def _check_seconds(self, seconds: float, where: str) -> None:
         if seconds > self.limits.max_audio_seconds:
             raise too_long(seconds, self.limits.max_audio_seconds, where)
+        self._check_context(seconds, where)
+
+    def _check_context(self, seconds: float, where: str) -> None:
+        if seconds > self.context_seconds:
+            raise InvalidArgument(f"{where}: {seconds:.1f} s of audio makes more tokens than the context of "
+                                  f"{self.context} holds (at most {self.context_seconds:.1f} s)")
 
     def _audio(self, pcm: np.ndarray, rate: int, where: str) -> Features:
+        if not np.isfinite(pcm).all():
+            raise InvalidArgument(f"{where}: audio samples contain NaN or infinity")
         pcm = resample(pcm, rate, SAMPLE_RATE)  # FFmpeg's resampler, as for files: the same samples either way
         if len(pcm) <= self.audio.n_fft // 2:  # the spectrogram's first window reflects this many samples each side
             raise InvalidArgument(f"{where}: audio is too short ({len(pcm)} samples at {SAMPLE_RATE} Hz; "
@@ -155,6 +168,15 @@ class Preprocessor:
         frames = int(out["attention_mask"][0].sum())
         mel = np.ascontiguousarray(out["input_features"][0][:, :frames], dtype=np.float32)
         return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames)
+
+
+def context_seconds(context: int, n_window: int) -> float:
+    """The longest audio, in seconds, whose tokens (audio_tokens of its 100 mel frames a second) fit `context`."""
+    lo, hi = 0, context * 100  # a mel frame makes at most one token
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if audio_tokens(mid, n_window) <= context else (lo, mid - 1)
+    return lo / 100
 
 
 class PixelNorm:
