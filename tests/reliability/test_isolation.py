@@ -5,7 +5,6 @@ import asyncio
 import io
 import math
 import os
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,11 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from bad_requests import INVALID, user
+from bad_requests import INVALID, float_wav, user
 from client_util import error_of, generate
 from omni.stage.v1 import common_pb2, talker_pb2, talker_pb2_grpc, tensor_pb2, thinker_pb2, thinker_pb2_grpc
 from omni.v1 import omni_pb2
-from references import png
 
 GOOD_TOKENS = 24
 
@@ -190,14 +188,6 @@ def test_a_tensor_ref_naming_a_foreign_shm_file_is_refused_and_the_file_left_alo
             assert f.read() == b"\x07" * (1 << 20)
     finally:
         os.unlink(path)
-
-
-def float_wav(samples: np.ndarray, rate: int = 16000) -> bytes:
-    """A mono IEEE-float WAV (format 3), which the wave module cannot write."""
-    data = samples.astype("<f4").tobytes()
-    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
-    return b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) \
-        + fmt + b"data" + struct.pack("<I", len(data)) + data
 
 
 def test_nan_audio_and_unknown_modalities_are_refused_by_name(native_mesh):
