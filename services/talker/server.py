@@ -56,8 +56,13 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         return TalkerSeq(
             request_id=start.request_id, prompt_ids=prompt, layout=layout,
             speaker_id=self.spec.voices[voice], params=params,
-            tts_embeds=self.transport.get(start.tts_embeds, self.engine.device),
+            tts_embeds=self._tts_embeds(start.tts_embeds),
         )
+
+    def _tts_embeds(self, ref) -> torch.Tensor:
+        if list(ref.shape) != [3, self.spec.thinker_hidden]:  # a step reads them beside other requests' rows
+            raise InvalidArgument(f"tts_embeds of shape {list(ref.shape)}: expected [3, {self.spec.thinker_hidden}]")
+        return self.transport.get(ref, self.engine.device)
 
     async def _feed(self, inputs, seq: TalkerSeq, handle) -> None:
         """The thinker's states into the request in order; after the speech, released unread until the text ends."""
@@ -70,8 +75,12 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                     s = msg.states
                     if s.start != expected:
                         raise InvalidArgument(f"thinker states out of order: position {s.start}, expected {expected}")
-                    if len(s.states.shape) != 3 or s.states.shape[0] != 2:
-                        raise InvalidArgument(f"thinker states of shape {list(s.states.shape)}: expected [2, rows, hidden]")
+                    shape = list(s.states.shape)
+                    if len(shape) != 3 or shape[0] != 2 or shape[2] != self.spec.thinker_hidden:
+                        raise InvalidArgument(f"thinker states of shape {shape}: expected "
+                                              f"[2, rows, {self.spec.thinker_hidden}]")
+                    if expected + shape[1] > self.context:
+                        raise InvalidArgument(f"thinker states past position {self.context}, the context")
                     # Host states stay on the host for the engine to upload; a CUDA IPC ref is on a GPU already
                     where = self.engine.device if s.states.WhichOneof("location") == "cuda" else "cpu"
                     both = self.transport.get(s.states, where)

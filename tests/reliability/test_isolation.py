@@ -113,6 +113,10 @@ def talker_cases(cfg) -> dict:
         "audio feature length negative": (with_layout(audio_feature_lengths=[-4]), "audio_feature_lengths"),
         "image grid not triples": (with_layout(image_grid_thw=[1, 2]), "image_grid_thw"),
         "image grid past the context": (with_layout(image_grid_thw=[1, 4000, 4000]), "image_grid_thw"),
+        "tts_embeds of the wrong shape": (talker_pb2.TalkerStart(
+            prompt_ids=ids, sampling=common_pb2.Sampling(max_tokens=4),
+            tts_embeds=tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[3, 5], inline_data=bytes(60))),
+            "tts_embeds of shape [3, 5]"),
     }
 
 
@@ -306,3 +310,24 @@ def test_a_request_whose_own_inputs_fail_in_a_step_fails_alone(tiny_model):
     assert isinstance(together[0], NotImplementedError), together[0]
     assert together[1:] == alone and all(len(t) == 6 for t in alone)
     assert engine.scheduler.allocator.used == 0
+
+
+def test_thinker_states_of_the_wrong_width_fail_their_request_alone(native_mesh):
+    from services.model.spec import OmniSpec
+    from services.runtime.config import TransportConfig
+    from services.runtime.transport import Transport
+
+    cfg = native_mesh.cfg
+    hidden = OmniSpec.load(cfg.model.dir).thinker_hidden
+    inline = Transport(TransportConfig(shm=False), "test")
+    start = talker_pb2.TalkerStart(request_id="wide", prompt_ids=_prompt(cfg), tts_embeds=inline.put(torch.zeros(3, hidden), None),
+                                   sampling=common_pb2.Sampling(max_tokens=4))
+    wide = inline.put(torch.zeros(2, 2, hidden + 1), None)
+    messages = [talker_pb2.TalkerInput(start=start), talker_pb2.TalkerInput(states=talker_pb2.ThinkerStates(start=0, states=wide)),
+                talker_pb2.TalkerInput(end=talker_pb2.TextEnd())]
+    with grpc.insecure_channel(cfg.talker.replicas[0].address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(talker_pb2_grpc.TalkerStub(ch).Synthesize(iter(messages), timeout=30))
+    assert e.value.code() == INVALID and f"thinker states of shape [2, 2, {hidden + 1}]" in e.value.details()
+    out = generate(native_mesh.gateway_address, _good(True))
+    assert len(out.codes) == GOOD_TOKENS
