@@ -35,7 +35,8 @@ class Features:
     second_per_grid: float = 0.0
 
 
-def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
+def open_image(data: bytes, limits: Limits, where: str, fits=None) -> Image.Image:
+    """An image checked from its header (format, pixels, and `fits(width, height)` if given), then decoded."""
     if not data:
         raise InvalidArgument(f"{where}: empty image")
     try:
@@ -47,6 +48,8 @@ def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
             w, h = img.size
             if w * h > limits.max_image_pixels:
                 raise ResourceExhausted(f"{where}: image of {w}x{h} = {w * h} pixels is over the limit of {limits.max_image_pixels}")
+            if fits is not None:
+                fits(w, h)
             img.load()
     except (InvalidArgument, ResourceExhausted):
         raise
@@ -55,7 +58,7 @@ def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
     except Exception as e:  # noqa: BLE001 - PIL raises many kinds for corrupt data
         raise InvalidArgument(f"{where}: cannot decode image: {e}") from None
     if img.mode.startswith("I"):  # 16-bit grey: PIL's convert clips it to 8 bits (white), so scale it down instead
-        img = Image.fromarray((np.asarray(img, dtype=np.float32) / 257).round().clip(0, 255).astype(np.uint8), "L")
+        img = Image.fromarray((np.asarray(img, dtype=np.float32) / 257).round().clip(0, 255).astype(np.uint8))
     return img.convert("RGB")
 
 
@@ -75,17 +78,30 @@ class Preprocessor:
         # The longest audio whose tokens fit the context (mel frames are 100 a second)
         self.context_seconds = context_seconds(context, n_window) if context else float("inf")
 
-    def image(self, data: bytes, where: str = "image") -> Features:
-        """The processor's patches, the same bytes, resized as it resizes but in uint8 (its float pass is slow)."""
+    def _resized(self, w: int, h: int, where: str, video: bool = False) -> tuple[int, int]:
+        """(height, width) the processor resizes a `w` x `h` image or video frame to."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-        img = open_image(data, self.limits, where)
-        ip, w, h = self.images, *img.size
+        ip = self.images
+        lo, hi = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS) if video else (ip.size["shortest_edge"], ip.size["longest_edge"])
         try:
-            rh, rw = smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=ip.size["shortest_edge"],
-                                  max_pixels=ip.size["longest_edge"])
+            return smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=lo, max_pixels=hi)
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}") from None
+
+    def _check_tokens(self, w: int, h: int, frames: int, where: str) -> None:
+        """Refuses, from the header, an image or video whose tokens alone are past the context."""
+        rh, rw = self._resized(w, h, where, video=frames > 0)
+        t = max(1, -(-frames // self.images.temporal_patch_size))
+        tokens = t * rh * rw // (self.images.patch_size * self.merge) ** 2
+        if self.context and tokens > self.context:
+            raise InvalidArgument(f"{where}: {w}x{h} makes {tokens} tokens, more than the context of {self.context} holds")
+
+    def image(self, data: bytes, where: str = "image") -> Features:
+        """The processor's patches, the same bytes, resized as it resizes but in uint8 (its float pass is slow)."""
+        img = open_image(data, self.limits, where, lambda w, h: self._check_tokens(w, h, 0, where))
+        w, h = img.size
+        rh, rw = self._resized(w, h, where)
         pixels = np.asarray(img.resize((rw, rh), Image.BICUBIC) if (rw, rh) != (w, h) else img).transpose(2, 0, 1)[None]
         patches, grid = self._patches(pixels)
         return Features("image", patches, grid[0] * grid[1] * grid[2] // self.merge**2, grid)
@@ -111,16 +127,12 @@ class Preprocessor:
         if not 0 < fps <= 60:
             raise InvalidArgument(f"{where}: fps must be in (0, 60], got {fps}")
         ip = self.images
-        imgs = [open_image(f, self.limits, f"{where} frame {i}") for i, f in enumerate(frames)]
+        first = open_image(frames[0], self.limits, f"{where} frame 0", lambda w, h: self._check_tokens(w, h, len(frames), where))
+        imgs = [first] + [open_image(f, self.limits, f"{where} frame {i}") for i, f in enumerate(frames[1:], 1)]
         if len({im.size for im in imgs}) != 1:
             raise InvalidArgument(f"{where}: all frames must have the same size")
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
         w, h = imgs[0].size
-        try:
-            rh, rw = smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS)
-        except ValueError as e:
-            raise InvalidArgument(f"{where}: {e}") from None
+        rh, rw = self._resized(w, h, where, video=True)
         pixels = np.stack([np.asarray(im.resize((rw, rh), Image.BICUBIC)) for im in imgs]).transpose(0, 3, 1, 2)  # [T, C, H, W] uint8
         patches, (gt, gh, gw) = self._patches(pixels)
         return Features("video", patches, gt * gh * gw // self.merge**2, (gt, gh, gw),

@@ -331,3 +331,15 @@ def test_thinker_states_of_the_wrong_width_fail_their_request_alone(native_mesh)
     assert e.value.code() == INVALID and f"thinker states of shape [2, 2, {hidden + 1}]" in e.value.details()
     out = generate(native_mesh.gateway_address, _good(True))
     assert len(out.codes) == GOOD_TOKENS
+
+
+def test_an_image_past_the_context_is_refused_from_its_header(preprocessor):
+    from services.runtime.errors import InvalidArgument
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1024, 1024)).save(buf, format="PNG")
+    with pytest.raises(InvalidArgument, match=r"1024x1024 makes \d+ tokens, more than the context of 512"):
+        preprocessor.image(buf.getvalue(), "media item 0")
+    head = buf.getvalue()[:100]  # the header alone: refused before the pixels are read
+    with pytest.raises(InvalidArgument, match="more than the context of 512"):
+        preprocessor.image(head, "media item 0")
