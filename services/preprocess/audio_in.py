@@ -22,6 +22,11 @@ def _header_seconds(container, stream) -> float | None:
     return None
 
 
+def _words(e: av.FFmpegError) -> str:
+    """FFmpeg's own words for an error, without the errno and file name PyAV wraps them in."""
+    return e.strerror or str(e)
+
+
 def too_long(seconds: float, limit: float, where: str) -> ResourceExhausted:
     return ResourceExhausted(f"{where}: {seconds:.1f} s of audio is over the limit of {limit:.0f} s")
 
@@ -45,7 +50,7 @@ def decode_file(data: bytes, rate: int, max_seconds: float, where: str, check=No
     try:
         container = av.open(io.BytesIO(data), mode="r", options={"format_whitelist": DEMUXERS})
     except av.FFmpegError as e:
-        raise InvalidArgument(f"{where}: cannot decode audio ({EXPECTED} expected): {e}") from None
+        raise InvalidArgument(f"{where}: cannot decode audio ({EXPECTED} expected): {_words(e)}") from None
     with container:
         if not container.streams.audio:
             raise InvalidArgument(f"{where}: the {container.format.long_name} file has no audio stream")
@@ -68,7 +73,7 @@ def decode_file(data: bytes, rate: int, max_seconds: float, where: str, check=No
                     raise ResourceExhausted(f"{where}: more than {max_seconds:.0f} s of audio is over the limit")
             parts += [out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(None)]
         except av.FFmpegError as e:
-            raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
+            raise InvalidArgument(f"{where}: cannot decode audio: {_words(e)}") from None
         except ValueError as e:  # the resampler refuses a stream whose layout or rate changes midway
             raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
     pcm = np.concatenate(parts) if parts else np.zeros(0, np.float32)

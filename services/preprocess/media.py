@@ -53,6 +53,8 @@ def open_image(data: bytes, limits: Limits, where: str, fits=None) -> Image.Imag
             img.load()
     except (InvalidArgument, ResourceExhausted):
         raise
+    except Image.UnidentifiedImageError:  # its message names the buffer by its Python repr
+        raise InvalidArgument(f"{where}: cannot decode image: not a PNG, JPEG or WebP file") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ResourceExhausted(f"{where}: image too large: {e}") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many kinds for corrupt data

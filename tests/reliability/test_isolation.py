@@ -343,3 +343,15 @@ def test_an_image_past_the_context_is_refused_from_its_header(preprocessor):
     head = buf.getvalue()[:100]  # the header alone: refused before the pixels are read
     with pytest.raises(InvalidArgument, match="more than the context of 512"):
         preprocessor.image(head, "media item 0")
+
+
+def test_error_texts_carry_no_python_reprs(native_mesh):
+    from bad_requests import bad_requests
+
+    cases = bad_requests()
+    for name in ("corrupt image", "truncated image", "corrupt audio", "truncated audio", "reserved token in text",
+                 "unknown voice"):
+        err = error_of(native_mesh.gateway_address, cases[name][0])
+        assert err is not None and err.code() == cases[name][1], name
+        for repr_mark in ("object at 0x", "[Errno", "'", "Error:"):
+            assert repr_mark not in err.details(), f"{name}: {err.details()}"
