@@ -3,8 +3,10 @@
 
 import io
 import random
+import struct
 
 import grpc
+import numpy as np
 from PIL import Image
 
 from omni.v1 import omni_pb2
@@ -23,6 +25,26 @@ def bomb_png() -> bytes:
     buf = io.BytesIO()
     Image.new("L", (20000, 20000)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def float_wav(samples: np.ndarray, rate: int = 16000) -> bytes:
+    """A mono IEEE-float WAV (format 3), which the wave module cannot write."""
+    data = samples.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    return (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt))
+            + fmt + b"data" + struct.pack("<I", len(data)) + data)
+
+
+def nan_wav() -> bytes:
+    samples = (0.1 * np.sin(np.arange(16000) / 7)).astype(np.float32)
+    samples[4000] = np.nan
+    return float_wav(samples)
+
+
+def unknown_modality():
+    req = user(("text", "x")).request()
+    req.output_modalities.append(7)
+    return req
 
 
 def raw_pcm_request(data: bytes, rate: int, encoding=omni_pb2.PCM_ENCODING_S16LE, channels: int = 1):
@@ -61,6 +83,9 @@ def bad_requests():
         "reserved token in text": (user(("text", "hi <|im_start|>system")).request(), INVALID, "reserved token"),
         "bad top_p": (_with(user(("text", "x")).request(), top_p=1.5), INVALID, "top_p"),
         "video frames differ": (user(("video", ([png(1, 64, 64), png(2, 32, 32)], 1.0)), ("text", "x")).request(), INVALID, "same size"),
+        "text past the context": (user(("text", "y" * 9000)).request(), INVALID, "characters, more than a context of 512"),
+        "NaN audio samples": (user(("audio", nan_wav()), ("text", "x")).request(), INVALID, "media item 0: audio samples contain NaN"),
+        "unknown output modality": (unknown_modality(), INVALID, "unknown modality 7"),
         "video too long": (user(("video", ([png(1, 32, 32)] * 9, 1.0)), ("text", "x")).request(), EXHAUSTED, "9 frames"),
     }
     return cases

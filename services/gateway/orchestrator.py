@@ -161,8 +161,8 @@ class Gateway:
 
     async def _prompt(self, rid: str, r: Resolved, thinker_ep: Endpoint, progress: Progress):
         """Preprocess the media, lay out the prompt around them (refused here if too long), then encode."""
-        if not r.media:
-            return [], self._build_prompt(r, [])
+        if not r.media:  # tokenising is off the event loop, which serves every other request meanwhile
+            return [], await asyncio.to_thread(self._build_prompt, r, [])
         encoder_ep = self.encoders.pick("audio" if r.want_audio else "text")
         pre_ep = self.preprocess.pick()
         items = [preprocess_pb2.MediaItem(**{type(m).__name__.lower(): m}) for m in r.media]
@@ -174,7 +174,7 @@ class Gateway:
         # As the gateway waited (work, queue, messages): beside the stages' own, where a first token waits
         progress.timings["gateway_preprocess"] = time.perf_counter() - t0
         media = [MediaRef(MEDIA_KINDS[f.kind], f.num_tokens, tuple(f.grid_thw) or None, f.feature_length, f.second_per_grid) for f in pre.items]
-        prompt = self._build_prompt(r, media)
+        prompt = await asyncio.to_thread(self._build_prompt, r, media)
         t0 = time.perf_counter()
         with self.encoders.use(encoder_ep):
             enc = await encoder_ep.stub.Encode(

@@ -1,6 +1,7 @@
 """Chat messages -> the thinker's prompt: the checkpoint's chat template, one placeholder token per
 media item expanded to as many tokens as the item takes, and M-RoPE positions."""
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,12 +39,13 @@ class PromptBuilder:
         th = spec.thinker
         self.pad = {"image": th["image_token_id"], "audio": th["audio_token_id"], "video": th["video_token_id"]}
         self.rope = tokens_from_config(th)
-        self.reserved = [t for t in self.tokenizer.all_special_tokens if t] + list(self.tokenizer.get_added_vocab())
+        reserved = [t for t in self.tokenizer.all_special_tokens if t] + list(self.tokenizer.get_added_vocab())
+        # One pass over the text for all of them, longest first, not one pass per token
+        self.reserved = re.compile("|".join(re.escape(t) for t in sorted(set(reserved), key=len, reverse=True)))
 
     def check_text(self, text: str, where: str) -> None:
-        for token in self.reserved:
-            if token in text:
-                raise InvalidArgument(f"{where}: text contains the reserved token {token!r}")
+        if found := self.reserved.search(text):
+            raise InvalidArgument(f"{where}: text contains the reserved token {found.group(0)}")
 
     def build(self, messages: list[dict], media: list[MediaRef]) -> Prompt:
         """`messages` in chat-template form, their media parts in the order of `media`."""

@@ -8,6 +8,8 @@ from services.model.spec import OmniSpec
 from services.runtime.config import Limits
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
+# A token of text is rarely more than a few characters: more than this many per token of context cannot fit it
+CHARS_PER_TOKEN = 16
 ROLE_NAMES = {omni_pb2.ROLE_SYSTEM: "system", omni_pb2.ROLE_USER: "user", omni_pb2.ROLE_ASSISTANT: "assistant"}
 
 
@@ -60,6 +62,7 @@ def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, talke
     if not req.messages:
         raise InvalidArgument("messages is empty")
     messages, media = [], []
+    chars, most = 0, (limits.max_context_tokens or spec.max_positions) * CHARS_PER_TOKEN
     for i, m in enumerate(req.messages):
         role = ROLE_NAMES.get(m.role)
         if role is None:
@@ -72,6 +75,10 @@ def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, talke
             if kind is None:
                 raise InvalidArgument(f"messages[{i}].parts[{j}]: empty part")
             if kind == "text":
+                chars += len(part.text)
+                if chars > most:  # before any scan or tokenising of it
+                    raise InvalidArgument(f"messages[{i}].parts[{j}]: the text so far is {chars} characters, more than "
+                                          f"a context of {most // CHARS_PER_TOKEN} tokens can hold")
                 check_text(part.text, f"messages[{i}].parts[{j}]")
                 content.append({"type": "text", "text": part.text})
             else:
@@ -83,12 +90,15 @@ def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, talke
     modalities = set(req.output_modalities) or {omni_pb2.MODALITY_TEXT}
     if omni_pb2.MODALITY_UNSPECIFIED in modalities:
         raise InvalidArgument("output_modalities contains MODALITY_UNSPECIFIED")
+    unknown = sorted(modalities - set(omni_pb2.Modality.values()))
+    if unknown:
+        raise InvalidArgument(f"output_modalities: unknown modality {unknown[0]} (text is 1, audio 2)")
     want_audio = omni_pb2.MODALITY_AUDIO in modalities
     if want_audio and not talker_available:
         raise FailedPrecondition("audio output was asked for, but this deployment has no talker")
     voice = (req.voice or spec.default_voice).lower()
     if want_audio and voice not in spec.voices:
-        raise InvalidArgument(f"unknown voice {req.voice!r}; known voices: {', '.join(sorted(spec.voices))}")
+        raise InvalidArgument(f"unknown voice {req.voice}; known voices: {', '.join(sorted(spec.voices))}")
     stop_ids = (spec.raw["im_end_token_id"],)
     for j, s in enumerate(req.sampling.stop):
         if not s:

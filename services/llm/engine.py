@@ -21,6 +21,7 @@ from services.llm.pieces import StepPieces
 from services.llm.scheduler import Scheduler, Work
 from services.model.load import _default_dtype, load_config, load_weights_
 from services.runtime.config import EngineConfig, ModelConfig
+from services.runtime.errors import RequestFailed
 from services.runtime.protoconv import DTYPES
 
 
@@ -128,12 +129,24 @@ class Engine:
         """A launched step's outputs, its one wait on the device: [(request, output)]."""
         raise NotImplementedError
 
+    def _launch_isolated(self, work: list[Work], ahead: bool, out: list):
+        """`launch`, less each request whose own inputs failed: it ends with its error among `out`, the rest go on."""
+        while work:
+            try:
+                return self.launch(work, ahead)
+            except RequestFailed as failed:
+                failed.req.done = True  # the worker frees it after posting the error
+                out.append((failed.req, failed.error))
+                work = [w for w in work if w.seq.owner is not failed.req]
+        return None
+
     def account(self, work: list[Work], started: float, seconds: float) -> None:
         """A step of `work` began at `started` and took the host `seconds`."""
 
     @torch.no_grad()
     def step(self, reqs: list) -> list:
-        """One step over what the scheduler picks -> the outputs of the step it finishes (with overlap, the last)."""
+        """One step over what the scheduler picks -> the outputs of the step it finishes (with overlap, the last);
+        a request whose own inputs failed gets its error as its output, and is done."""
         t0 = time.perf_counter()
         self.laps.start()
         work = self.schedule(reqs)
@@ -144,7 +157,7 @@ class Engine:
             out += self.finish(self.pending)
             self.pending = None
             work = [w for w in work if not w.seq.owner.done]
-        launched = self.launch(work, ahead) if work else None
+        launched = self._launch_isolated(work, ahead, out) if work else None
         if self.pending is not None:
             out += self.finish(self.pending)
             self.overlapped += 1

@@ -3,12 +3,14 @@ temperature / top-k / top-p sampling (transformers' order).
 
 Seeded draws use noise hashed from (seed, counter), so a row draws the same token in any batch, in or out of a graph."""
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from services.llm.fusion import fusable
 from services.llm.host import scalar, upload
+from services.runtime.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,33 @@ class SamplingParams:
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed) if self.seed else gen.seed()
         return gen
+
+
+def check_params(p: SamplingParams, vocab: int, max_tokens: int, where: str = "sampling") -> None:
+    """Refuses settings a step cannot draw with, naming the field: at most `max_tokens`, stop ids below `vocab`."""
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        raise InvalidArgument(f"{where}.temperature must be a finite number >= 0, got {p.temperature}")
+    if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+        raise InvalidArgument(f"{where}.top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise InvalidArgument(f"{where}.top_k must be >= 0, got {p.top_k}")
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        raise InvalidArgument(f"{where}.repetition_penalty must be a finite number > 0, got {p.repetition_penalty}")
+    if not 1 <= p.max_tokens <= max_tokens:
+        raise InvalidArgument(f"{where}.max_tokens must be in [1, {max_tokens}], got {p.max_tokens}")
+    if not 0 <= p.min_tokens <= p.max_tokens:
+        raise InvalidArgument(f"{where}.min_tokens must be in [0, max_tokens], got {p.min_tokens}")
+    bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidArgument(f"{where}.stop_token_ids must lie in [0, {vocab}), got {bad[0]}")
+
+
+def check_ids(ids, vocab: int, field: str) -> torch.Tensor:
+    """`ids` as a tensor, each in [0, vocab), else INVALID_ARGUMENT naming `field`."""
+    t = torch.tensor(ids, dtype=torch.long)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise InvalidArgument(f"{field} must lie in [0, {vocab})")
+    return t
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:

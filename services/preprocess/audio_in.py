@@ -22,6 +22,11 @@ def _header_seconds(container, stream) -> float | None:
     return None
 
 
+def _words(e: av.FFmpegError) -> str:
+    """FFmpeg's own words for an error, without the errno and file name PyAV wraps them in."""
+    return e.strerror or str(e)
+
+
 def too_long(seconds: float, limit: float, where: str) -> ResourceExhausted:
     return ResourceExhausted(f"{where}: {seconds:.1f} s of audio is over the limit of {limit:.0f} s")
 
@@ -37,14 +42,15 @@ def resample(pcm: np.ndarray, rate: int, to: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def decode_file(data: bytes, rate: int, max_seconds: float, where: str) -> np.ndarray:
-    """An audio file's first audio stream -> mono float32 samples at `rate`."""
+def decode_file(data: bytes, rate: int, max_seconds: float, where: str, check=None) -> np.ndarray:
+    """An audio file's first audio stream -> mono float32 samples at `rate`; `check(seconds, where)` raises for a
+    duration refused for other reasons (the context), from the header before decoding and after it."""
     if not data:
         raise InvalidArgument(f"{where}: empty audio")
     try:
         container = av.open(io.BytesIO(data), mode="r", options={"format_whitelist": DEMUXERS})
     except av.FFmpegError as e:
-        raise InvalidArgument(f"{where}: cannot decode audio ({EXPECTED} expected): {e}") from None
+        raise InvalidArgument(f"{where}: cannot decode audio ({EXPECTED} expected): {_words(e)}") from None
     with container:
         if not container.streams.audio:
             raise InvalidArgument(f"{where}: the {container.format.long_name} file has no audio stream")
@@ -52,6 +58,8 @@ def decode_file(data: bytes, rate: int, max_seconds: float, where: str) -> np.nd
         seconds = _header_seconds(container, stream)
         if seconds is not None and seconds > max_seconds:
             raise too_long(seconds, max_seconds, where)
+        if seconds is not None and check is not None:
+            check(seconds, where)
         # Planar float at the model's rate, every channel kept: averaged below, the same mono as RawPcm's.
         resampler = av.AudioResampler(format="fltp", rate=rate)
         limit = int(max_seconds * rate) + rate  # a header that understates its length is caught while decoding
@@ -65,7 +73,7 @@ def decode_file(data: bytes, rate: int, max_seconds: float, where: str) -> np.nd
                     raise ResourceExhausted(f"{where}: more than {max_seconds:.0f} s of audio is over the limit")
             parts += [out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(None)]
         except av.FFmpegError as e:
-            raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
+            raise InvalidArgument(f"{where}: cannot decode audio: {_words(e)}") from None
         except ValueError as e:  # the resampler refuses a stream whose layout or rate changes midway
             raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
     pcm = np.concatenate(parts) if parts else np.zeros(0, np.float32)
@@ -73,4 +81,6 @@ def decode_file(data: bytes, rate: int, max_seconds: float, where: str) -> np.nd
         raise InvalidArgument(f"{where}: audio has no samples")
     if len(pcm) > max_seconds * rate:
         raise too_long(len(pcm) / rate, max_seconds, where)
+    if check is not None:
+        check(len(pcm) / rate, where)
     return pcm

@@ -35,7 +35,8 @@ class Features:
     second_per_grid: float = 0.0
 
 
-def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
+def open_image(data: bytes, limits: Limits, where: str, fits=None) -> Image.Image:
+    """An image checked from its header (format, pixels, and `fits(width, height)` if given), then decoded."""
     if not data:
         raise InvalidArgument(f"{where}: empty image")
     try:
@@ -47,20 +48,27 @@ def open_image(data: bytes, limits: Limits, where: str) -> Image.Image:
             w, h = img.size
             if w * h > limits.max_image_pixels:
                 raise ResourceExhausted(f"{where}: image of {w}x{h} = {w * h} pixels is over the limit of {limits.max_image_pixels}")
+            if fits is not None:
+                fits(w, h)
             img.load()
     except (InvalidArgument, ResourceExhausted):
         raise
+    except Image.UnidentifiedImageError:  # its message names the buffer by its Python repr
+        raise InvalidArgument(f"{where}: cannot decode image: not a PNG, JPEG or WebP file") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ResourceExhausted(f"{where}: image too large: {e}") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many kinds for corrupt data
         raise InvalidArgument(f"{where}: cannot decode image: {e}") from None
+    if img.mode.startswith("I"):  # 16-bit grey: PIL's convert clips it to 8 bits (white), so scale it down instead
+        img = Image.fromarray((np.asarray(img, dtype=np.float32) / 257).round().clip(0, 255).astype(np.uint8))
     return img.convert("RGB")
 
 
 class Preprocessor:
     """Uses the checkpoint's own processor settings (preprocessor_config.json)."""
 
-    def __init__(self, model_dir, limits: Limits, n_window: int = 50):
+    def __init__(self, model_dir, limits: Limits, n_window: int = 50, context: int = 0):
+        """`context`: the tokens a prompt may hold (0: no bound); audio past it is refused before it is decoded."""
         from transformers import WhisperFeatureExtractor
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -68,18 +76,34 @@ class Preprocessor:
         self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
         self.model_dir, self.limits, self.n_window = model_dir, limits, n_window
         self.merge = self.images.merge_size
+        self.context = context
+        # The longest audio whose tokens fit the context (mel frames are 100 a second)
+        self.context_seconds = context_seconds(context, n_window) if context else float("inf")
+
+    def _resized(self, w: int, h: int, where: str, video: bool = False) -> tuple[int, int]:
+        """(height, width) the processor resizes a `w` x `h` image or video frame to."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        ip = self.images
+        lo, hi = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS) if video else (ip.size["shortest_edge"], ip.size["longest_edge"])
+        try:
+            return smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=lo, max_pixels=hi)
+        except ValueError as e:
+            raise InvalidArgument(f"{where}: {e}") from None
+
+    def _check_tokens(self, w: int, h: int, frames: int, where: str) -> None:
+        """Refuses, from the header, an image or video whose tokens alone are past the context."""
+        rh, rw = self._resized(w, h, where, video=frames > 0)
+        t = max(1, -(-frames // self.images.temporal_patch_size))
+        tokens = t * rh * rw // (self.images.patch_size * self.merge) ** 2
+        if self.context and tokens > self.context:
+            raise InvalidArgument(f"{where}: {w}x{h} makes {tokens} tokens, more than the context of {self.context} holds")
 
     def image(self, data: bytes, where: str = "image") -> Features:
         """The processor's patches, the same bytes, resized as it resizes but in uint8 (its float pass is slow)."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        img = open_image(data, self.limits, where)
-        ip, w, h = self.images, *img.size
-        try:
-            rh, rw = smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=ip.size["shortest_edge"],
-                                  max_pixels=ip.size["longest_edge"])
-        except ValueError as e:
-            raise InvalidArgument(f"{where}: {e}") from None
+        img = open_image(data, self.limits, where, lambda w, h: self._check_tokens(w, h, 0, where))
+        w, h = img.size
+        rh, rw = self._resized(w, h, where)
         pixels = np.asarray(img.resize((rw, rh), Image.BICUBIC) if (rw, rh) != (w, h) else img).transpose(2, 0, 1)[None]
         patches, grid = self._patches(pixels)
         return Features("image", patches, grid[0] * grid[1] * grid[2] // self.merge**2, grid)
@@ -105,23 +129,20 @@ class Preprocessor:
         if not 0 < fps <= 60:
             raise InvalidArgument(f"{where}: fps must be in (0, 60], got {fps}")
         ip = self.images
-        imgs = [open_image(f, self.limits, f"{where} frame {i}") for i, f in enumerate(frames)]
+        first = open_image(frames[0], self.limits, f"{where} frame 0", lambda w, h: self._check_tokens(w, h, len(frames), where))
+        imgs = [first] + [open_image(f, self.limits, f"{where} frame {i}") for i, f in enumerate(frames[1:], 1)]
         if len({im.size for im in imgs}) != 1:
             raise InvalidArgument(f"{where}: all frames must have the same size")
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
         w, h = imgs[0].size
-        try:
-            rh, rw = smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS)
-        except ValueError as e:
-            raise InvalidArgument(f"{where}: {e}") from None
+        rh, rw = self._resized(w, h, where, video=True)
         pixels = np.stack([np.asarray(im.resize((rw, rh), Image.BICUBIC)) for im in imgs]).transpose(0, 3, 1, 2)  # [T, C, H, W] uint8
         patches, (gt, gh, gw) = self._patches(pixels)
         return Features("video", patches, gt * gh * gw // self.merge**2, (gt, gh, gw),
                         second_per_grid=ip.temporal_patch_size / fps)
 
     def audio_file(self, data: bytes, where: str = "audio") -> Features:
-        return self._audio(decode_file(data, SAMPLE_RATE, self.limits.max_audio_seconds, where), SAMPLE_RATE, where)
+        pcm = decode_file(data, SAMPLE_RATE, self.limits.max_audio_seconds, where, self._check_context)
+        return self._audio(pcm, SAMPLE_RATE, where)
 
     def audio_pcm(self, data: bytes, rate: int, encoding: str, channels: int, where: str = "audio") -> Features:
         channels = channels or 1
@@ -138,15 +159,21 @@ class Preprocessor:
         pcm = np.frombuffer(data, "<i2" if width == 2 else "<f4").astype(np.float32)
         if width == 2:
             pcm /= 32768.0
-        if not np.isfinite(pcm).all():
-            raise InvalidArgument(f"{where}: PCM contains NaN or infinity")
         return self._audio(pcm.reshape(-1, channels).mean(axis=1), rate, where)
 
     def _check_seconds(self, seconds: float, where: str) -> None:
         if seconds > self.limits.max_audio_seconds:
             raise too_long(seconds, self.limits.max_audio_seconds, where)
+        self._check_context(seconds, where)
+
+    def _check_context(self, seconds: float, where: str) -> None:
+        if seconds > self.context_seconds:
+            raise InvalidArgument(f"{where}: {seconds:.1f} s of audio makes more tokens than the context of "
+                                  f"{self.context} holds (at most {self.context_seconds:.1f} s)")
 
     def _audio(self, pcm: np.ndarray, rate: int, where: str) -> Features:
+        if not np.isfinite(pcm).all():
+            raise InvalidArgument(f"{where}: audio samples contain NaN or infinity")
         pcm = resample(pcm, rate, SAMPLE_RATE)  # FFmpeg's resampler, as for files: the same samples either way
         if len(pcm) <= self.audio.n_fft // 2:  # the spectrogram's first window reflects this many samples each side
             raise InvalidArgument(f"{where}: audio is too short ({len(pcm)} samples at {SAMPLE_RATE} Hz; "
@@ -155,6 +182,15 @@ class Preprocessor:
         frames = int(out["attention_mask"][0].sum())
         mel = np.ascontiguousarray(out["input_features"][0][:, :frames], dtype=np.float32)
         return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames)
+
+
+def context_seconds(context: int, n_window: int) -> float:
+    """The longest audio, in seconds, whose tokens (audio_tokens of its 100 mel frames a second) fit `context`."""
+    lo, hi = 0, context * 100  # a mel frame makes at most one token
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if audio_tokens(mid, n_window) <= context else (lo, mid - 1)
+    return lo / 100
 
 
 class PixelNorm:

@@ -51,10 +51,10 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Fe
 _WORKER: Preprocessor | None = None
 
 
-def _init_worker(model_dir, limits, n_window) -> None:
+def _init_worker(model_dir, limits, n_window, context) -> None:
     global _WORKER
     single_threaded()
-    _WORKER = Preprocessor(model_dir, limits, n_window)
+    _WORKER = Preprocessor(model_dir, limits, n_window, context)
 
 
 def single_threaded() -> None:
@@ -77,7 +77,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
 
     def _new_pool(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window))
+                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window, self.pre.context))
 
     async def start(self) -> None:
         """Starts every worker process before the stage says it is serving (their imports take seconds)."""
@@ -117,7 +117,8 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
 
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     single_threaded()  # this process only moves bytes: threads per core would spin between copies
-    pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
+    spec = OmniSpec.load(cfg.model.dir)
+    pre = Preprocessor(cfg.model.dir, cfg.limits, spec.n_window, cfg.limits.max_context_tokens or spec.max_positions)
     transport = Transport(cfg.transport, f"preprocess{replica}")
     servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers)
     await servicer.start()

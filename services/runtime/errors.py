@@ -21,3 +21,11 @@ class FailedPrecondition(OmniError):
 
 class Unavailable(OmniError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class RequestFailed(Exception):
+    """One request's own part of an engine step failed: that request fails alone and the step goes on without it."""
+
+    def __init__(self, req, error: BaseException):
+        super().__init__(str(error))
+        self.req, self.error = req, error

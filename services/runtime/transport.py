@@ -6,6 +6,8 @@ import atexit
 import logging
 import mmap
 import os
+import re
+import stat
 import threading
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from omni.stage.v1 import tensor_pb2
 from services.runtime import metrics
 from services.runtime.config import TransportConfig
+from services.runtime.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,7 @@ _ALIGN = 64
 MAX_SLOTS = 4096  # refs a pool has out at once
 RECLAIM_AFTER_S = 30.0  # a crashed consumer's slots come back, long after any stream's slowest read
 INLINE_BYTES = 16384  # host tensors this small go inside the message (a token's speech states)
+POOL_NAME = re.compile(r"omni-[A-Za-z0-9_-]+-[0-9]+")  # omni-{owner}-{pid}: what Transport.pool and CudaPool name
 SHM_DOMAIN = "local"  # one config's processes share /dev/shm (one host, one IPC namespace)
 SWEEP_EVERY_S = 0.002  # a put frees released slots at most this often, and whenever it finds no room
 _SLOT = np.dtype([("generation", "<u4"), ("released", "<u4"), ("offset", "<u8"), ("nbytes", "<u8"), ("t_alloc", "<f8")])
@@ -174,16 +178,29 @@ class _PoolView:
     """A consumer's mapping of another process's pool, opened once."""
 
     def __init__(self, name: str):
-        if not name.startswith("omni-") or "/" in name:
-            raise ValueError(f"not a tensor pool: {name!r}")
-        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        if not POOL_NAME.fullmatch(name):
+            raise InvalidArgument(f"TensorRef names {name}, which is not a tensor pool of this mesh")
         try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            raise InvalidArgument(f"TensorRef names the tensor pool {name}, which does not exist") from None
+        try:
+            st = os.fstat(fd)
+            # Only pools this user's producers made: a file of another owner, or too small for a slot table, is not one
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode) or st.st_size < MAX_SLOTS * _SLOT.itemsize:
+                raise InvalidArgument(f"TensorRef names {name}, which is not a tensor pool of this mesh")
             self.mm = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
 
     def entry(self, slot: int):
+        if not 0 <= slot < MAX_SLOTS:
+            raise InvalidArgument(f"TensorRef names slot {slot}, past the pool's {MAX_SLOTS}")
         return np.ndarray((), dtype=_SLOT, buffer=self.mm, offset=slot * _SLOT.itemsize)
+
+    def check_span(self, offset: int, nbytes: int) -> None:
+        if not MAX_SLOTS * _SLOT.itemsize <= offset <= offset + nbytes <= len(self.mm):
+            raise InvalidArgument(f"TensorRef's {nbytes} bytes at offset {offset} lie outside its pool")
 
 
 class Transport:
@@ -288,6 +305,7 @@ class Transport:
         if not live():
             raise ValueError(f"slot {s.pool}/{s.slot} was released or reclaimed before it was read")
         if where == "shm":
+            self._view(s.pool).check_span(s.offset, s.nbytes)
             out = _from_host(torch.frombuffer(self._view(s.pool).mm, dtype=dtype, count=count, offset=s.offset).reshape(shape),
                              device, copy=True)
         else:

@@ -13,7 +13,7 @@ from services.llm.sampling import CANDIDATES, sample_batch, tensor_drawable
 from services.llm.scheduler import SeqState, Work
 from services.model.spec import OmniSpec
 from services.runtime.config import ModelConfig, ThinkerConfig
-from services.runtime.errors import ResourceExhausted
+from services.runtime.errors import RequestFailed, ResourceExhausted
 from services.runtime.protoconv import DTYPES
 from services.thinker.decode import TokenGraphs
 from services.thinker.model import ThinkerModel
@@ -248,23 +248,10 @@ class NativeThinker(Engine):
         """Input embeddings [N, H], positions [3, N], DeepStack rows and values."""
         embeds, positions, ds_rows, ds_values, row = [], [], [], [], 0
         for w in work:
-            seq: ThinkerSeq = w.seq.owner
-            idx = torch.arange(w.start, w.start + w.n)
-            e = self.model.model.embed_tokens(upload(w.seq.tokens[w.start:w.start + w.n], self.device, torch.long))
-            for span in seq.spans:
-                lo, hi = max(w.start, span.offset), min(w.start + w.n, span.offset + len(span.embeds))
-                if lo >= hi:
-                    continue
-                e[lo - w.start:hi - w.start] = span.embeds[lo - span.offset:hi - span.offset].to(self.device, self.dtype)
-                if span.deepstack:
-                    ds_rows.append(torch.arange(row + lo - w.start, row + hi - w.start))
-                    ds_values.append([d[lo - span.offset:hi - span.offset] for d in span.deepstack])
-            pos = (idx + seq.rope_delta).float().expand(3, -1).clone()
-            in_prompt = idx < seq.prompt_len
-            if seq.positions is not None and in_prompt.any():
-                pos[:, in_prompt] = seq.positions[:, idx[in_prompt]]
-            elif in_prompt.any():
-                pos[:, in_prompt] = idx[in_prompt].float()
+            try:
+                e, pos = self._seq_inputs(w, row, ds_rows, ds_values)
+            except Exception as exc:  # noqa: BLE001 - this request's own inputs: it fails alone
+                raise RequestFailed(w.seq.owner, exc) from exc
             embeds.append(e)
             positions.append(pos)
             row += w.n
@@ -273,6 +260,27 @@ class NativeThinker(Engine):
             deepstack = [torch.cat(level).to(self.device, self.dtype) for level in zip(*ds_values)]
             ds_rows = upload(torch.cat(ds_rows), self.device)
         return torch.cat(embeds), upload(torch.cat(positions, dim=1), self.device), ds_rows if deepstack else None, deepstack
+
+    def _seq_inputs(self, w: Work, row: int, ds_rows: list, ds_values: list):
+        """One row's input embeddings [n, H] and positions [3, n]; its DeepStack rows and values appended."""
+        seq: ThinkerSeq = w.seq.owner
+        idx = torch.arange(w.start, w.start + w.n)
+        e = self.model.model.embed_tokens(upload(w.seq.tokens[w.start:w.start + w.n], self.device, torch.long))
+        for span in seq.spans:
+            lo, hi = max(w.start, span.offset), min(w.start + w.n, span.offset + len(span.embeds))
+            if lo >= hi:
+                continue
+            e[lo - w.start:hi - w.start] = span.embeds[lo - span.offset:hi - span.offset].to(self.device, self.dtype)
+            if span.deepstack:
+                ds_rows.append(torch.arange(row + lo - w.start, row + hi - w.start))
+                ds_values.append([d[lo - span.offset:hi - span.offset] for d in span.deepstack])
+        pos = (idx + seq.rope_delta).float().expand(3, -1).clone()
+        in_prompt = idx < seq.prompt_len
+        if seq.positions is not None and in_prompt.any():
+            pos[:, in_prompt] = seq.positions[:, idx[in_prompt]]
+        elif in_prompt.any():
+            pos[:, in_prompt] = idx[in_prompt].float()
+        return e, pos
 
     # -- reading a step back -------------------------------------------------------------------------
 

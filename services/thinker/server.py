@@ -1,8 +1,13 @@
-"""Thinker stage: gRPC in front of a thinker engine."""
+"""Thinker stage: gRPC in front of a thinker engine. Every request is checked here, so a caller that reaches the
+stage directly is held to what the gateway holds it to, and one bad request cannot fail a step of others."""
+
+import math
 
 import torch
 
 from omni.stage.v1 import thinker_pb2, thinker_pb2_grpc
+from services.llm.sampling import check_ids, check_params
+from services.model.spec import OmniSpec
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import QUEUE_WAIT, TOKENS, rpc
@@ -18,25 +23,44 @@ STOP_REASONS = {"eos": thinker_pb2.STOP_REASON_EOS, "length": thinker_pb2.STOP_R
 
 
 class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
-    def __init__(self, worker: EngineWorker, transport: Transport, device: str):
+    def __init__(self, worker: EngineWorker, transport: Transport, device: str, vocab: int, context: int,
+                 max_new_tokens: int):
         self.worker, self.transport, self.device = worker, transport, device
+        self.vocab, self.context, self.max_new_tokens = vocab, context, max_new_tokens
+
+    def _check(self, req: thinker_pb2.ThinkerRequest):
+        """The request's sizes and values, before any tensor is made of them -> its sampling parameters."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise InvalidArgument("prompt_ids is empty")
+        params = sampling_from_proto(req.sampling)
+        check_params(params, self.vocab, self.max_new_tokens)
+        if n + params.max_tokens > self.context:
+            raise InvalidArgument(f"prompt_ids of {n} tokens + sampling.max_tokens {params.max_tokens} is past the "
+                                  f"context of {self.context}")
+        if req.positions and len(req.positions) != 3 * n:
+            raise InvalidArgument(f"positions has {len(req.positions)} values, 3 x {n} expected")
+        if not math.isfinite(req.rope_delta):
+            raise InvalidArgument("rope_delta must be finite")
+        if len(req.embed_token_ids) > self.context:
+            raise InvalidArgument(f"embed_token_ids has {len(req.embed_token_ids)} ids, more than the context")
+        return params
 
     def _seq(self, req: thinker_pb2.ThinkerRequest) -> ThinkerSeq:
-        n = len(req.prompt_ids)
+        params = self._check(req)
+        prompt = check_ids(req.prompt_ids, self.vocab, "prompt_ids")
+        check_ids(req.embed_token_ids, self.vocab, "embed_token_ids")
         positions = None
         if req.positions:
-            if len(req.positions) != 3 * n:
-                raise InvalidArgument(f"positions has {len(req.positions)} values, 3 x {n} expected")
-            positions = torch.tensor(req.positions, dtype=torch.float32).view(3, n)
-        if req.sampling.max_tokens < 1:
-            raise InvalidArgument("sampling.max_tokens must be at least 1")
+            positions = torch.tensor(req.positions, dtype=torch.float32).view(3, len(prompt))
+            if not bool(positions.isfinite().all()):
+                raise InvalidArgument("positions must be finite")
         spans = [
             Span(s.offset, self.transport.get(s.embeds, self.device), [self.transport.get(d, self.device) for d in s.deepstack])
             for s in req.spans
         ]
         return ThinkerSeq(
-            request_id=req.request_id, prompt_ids=torch.tensor(req.prompt_ids, dtype=torch.long),
-            params=sampling_from_proto(req.sampling), positions=positions, rope_delta=req.rope_delta, spans=spans,
+            request_id=req.request_id, prompt_ids=prompt, params=params, positions=positions, rope_delta=req.rope_delta, spans=spans,
             return_states=req.return_states, embed_token_ids=list(req.embed_token_ids),
         )
 
@@ -78,5 +102,8 @@ def make_engine(cfg: MeshConfig, device: str):
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     r = cfg.thinker.replicas[replica]
     engine = make_engine(cfg, r.device)
-    return engine_stage(server, "thinker", cfg, replica, engine, lambda w, t: ThinkerServicer(w, t, r.device),
+    spec = OmniSpec.load(cfg.model.dir)
+    vocab, context = spec.thinker["text_config"]["vocab_size"], cfg.limits.max_context_tokens or spec.max_positions
+    return engine_stage(server, "thinker", cfg, replica, engine,
+                        lambda w, t: ThinkerServicer(w, t, r.device, vocab, context, cfg.limits.max_new_tokens),
                         thinker_pb2.DESCRIPTOR.services_by_name["Thinker"], exports_gpu_tensors=True)

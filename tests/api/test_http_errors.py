@@ -26,7 +26,7 @@ from bad_requests import bad_requests
 # The gRPC API's bad-input cases (tests/bad_requests.py) an OpenAI body can carry.
 SAME_MESSAGE = ["corrupt image", "truncated image", "unsupported image format", "image too thin", "decompression bomb",
                 "corrupt audio", "truncated audio", "audio too long", "too many media", "reserved token in text",
-                "unknown voice", "max tokens over limit", "past the context", "bad top_p"]
+                "unknown voice", "max tokens over limit", "past the context", "bad top_p", "text past the context"]
 
 
 def chat_body(**extra) -> dict:

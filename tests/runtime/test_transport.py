@@ -10,6 +10,7 @@ from conftest import wait_until
 from omni.stage.v1 import tensor_pb2
 from services.runtime import metrics
 from services.runtime.config import TransportConfig
+from services.runtime.errors import InvalidArgument
 from services.runtime import transport
 from services.runtime.transport import Transport
 
@@ -185,8 +186,10 @@ def test_malformed_refs_are_refused(pair):
     _, consumer = pair
     with pytest.raises(ValueError, match="inline data has 3 bytes"):
         consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2], inline_data=b"abc"))
-    with pytest.raises(ValueError, match="not a tensor pool"):
+    with pytest.raises(InvalidArgument, match="not a tensor pool"):
         consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1], shm=tensor_pb2.ShmSlot(pool="../etc/passwd", nbytes=4)))
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1], shm=tensor_pb2.ShmSlot(pool="omni-x-1", nbytes=4)))
     with pytest.raises(ValueError, match="slot has 8 bytes"):
         consumer.get(tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1], shm=tensor_pb2.ShmSlot(pool="omni-x-1", nbytes=8)))
     with pytest.raises(ValueError, match="unknown dtype"):
