@@ -19,6 +19,10 @@ from services.runtime.server import STAGE_MESSAGE_BYTES, grpc_options
 log = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.1  # for stages of several replicas
+# A restarted stage is called again within a second of serving: gRPC's default backoff (1 s growing to 120 s) would
+# idle it for seconds more; the connect timeout floor stays long enough for a remote host's handshake
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+                     ("grpc.min_reconnect_backoff_ms", 1000)]
 
 
 @dataclass
@@ -46,7 +50,7 @@ class Router:
         self.by_modality, self.fixed, self.poll_s, self.stage = by_modality or fixed, fixed, poll_s, stage
         self.endpoints = []
         for i, r in enumerate(replicas):
-            channel = grpc.aio.insecure_channel(r.address, options=grpc_options(STAGE_MESSAGE_BYTES))
+            channel = grpc.aio.insecure_channel(r.address, options=grpc_options(STAGE_MESSAGE_BYTES) + RECONNECT_OPTIONS)
             self.endpoints.append(Endpoint(i, r, channel, stub_cls(channel), load_pb2_grpc.LoadStub(channel)))
         self._tiebreak = itertools.count()
         self._poller: asyncio.Task | None = None
