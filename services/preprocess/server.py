@@ -2,8 +2,12 @@
 decoders off the server's interpreter lock, and run side by side on every core given."""
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing
+import os
+import signal
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -51,10 +55,19 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Fe
 _WORKER: Preprocessor | None = None
 
 
-def _init_worker(model_dir, limits, n_window) -> None:
+def _init_worker(model_dir, limits, n_window, parent: int) -> None:
     global _WORKER
+    die_with_parent(parent)
     single_threaded()
     _WORKER = Preprocessor(model_dir, limits, n_window)
+
+
+def die_with_parent(parent: int) -> None:
+    """A worker is killed when its stage process dies, even by SIGKILL (PR_SET_PDEATHSIG): no orphan holds its memory."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:  # the stage died before the request above
+        os._exit(1)
 
 
 def single_threaded() -> None:
@@ -76,8 +89,9 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
         self.pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:
+        args = (self.pre.model_dir, self.pre.limits, self.pre.n_window, os.getpid())
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window))
+                                   initializer=_init_worker, initargs=args)
 
     async def start(self) -> None:
         """Starts every worker process before the stage says it is serving (their imports take seconds)."""
