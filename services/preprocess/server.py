@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from typing import NamedTuple
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -18,7 +19,7 @@ from omni.stage.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 from omni.v1 import omni_pb2
 from services.model.spec import OmniSpec
 from services.preprocess.media import Features, Preprocessor
-from services.runtime.config import MeshConfig
+from services.runtime.config import Limits, MeshConfig
 from services.runtime.errors import InvalidArgument, OmniError, ResourceExhausted
 from services.runtime.metrics import rpc
 from services.runtime.protoconv import timings
@@ -84,7 +85,7 @@ def _prepare_in_worker(index: int, item: bytes) -> Features:
 
 
 class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
-    def __init__(self, pre: Preprocessor, transport: Transport, workers: int):
+    def __init__(self, pre: "Preprocessor | WorkerSetup", transport: Transport, workers: int):
         self.pre, self.transport, self.workers = pre, transport, workers
         self.pool = self._new_pool()
 
@@ -129,9 +130,17 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
         return reply
 
 
+class WorkerSetup(NamedTuple):
+    """What the workers build their Preprocessor from: this process decodes nothing, so builds none (a restart
+    serves seconds sooner)."""
+    model_dir: str
+    limits: Limits
+    n_window: int
+
+
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     single_threaded()  # this process only moves bytes: threads per core would spin between copies
-    pre = Preprocessor(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
+    pre = WorkerSetup(cfg.model.dir, cfg.limits, OmniSpec.load(cfg.model.dir).n_window)
     transport = Transport(cfg.transport, f"preprocess{replica}")
     servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers)
     await servicer.start()
