@@ -110,8 +110,8 @@ class Mesh:
             raise
         for watch in self.watches.values():
             watch.served = True
+        self._stopping.clear()
         if self._supervised:
-            self._stopping.clear()
             # A long-lived thread: a stage's PR_SET_PDEATHSIG fires when the thread that started it ends
             self._supervisor = threading.Thread(target=self._supervise_loop, name="mesh-supervisor", daemon=True)
             self._supervisor.start()
