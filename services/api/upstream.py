@@ -11,8 +11,9 @@ from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.api.errors import ApiError, from_grpc
 from services.runtime.config import SecurityConfig
 from services.runtime.security import aio_channel, bearer
+from services.runtime.server import RECONNECT_OPTIONS
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30), *RECONNECT_OPTIONS]
 INFO_FRESH_S = 10.0  # the model the gateway serves is asked again after this long (a gateway restarted with another)
 
 

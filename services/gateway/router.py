@@ -15,7 +15,7 @@ from omni.stage.v1 import load_pb2, load_pb2_grpc
 from services.runtime.config import Replica, SecurityConfig
 from services.runtime.errors import Unavailable
 from services.runtime.security import aio_channel
-from services.runtime.server import STAGE_MESSAGE_BYTES, grpc_options
+from services.runtime.server import RECONNECT_OPTIONS, STAGE_MESSAGE_BYTES, grpc_options
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Router:
         self.by_modality, self.fixed, self.poll_s, self.stage = by_modality or fixed, fixed, poll_s, stage
         self.endpoints = []
         for i, r in enumerate(replicas):
-            channel = aio_channel(security or SecurityConfig(), r.address, options=grpc_options(STAGE_MESSAGE_BYTES))
+            channel = aio_channel(security or SecurityConfig(), r.address, options=grpc_options(STAGE_MESSAGE_BYTES) + RECONNECT_OPTIONS)
             self.endpoints.append(Endpoint(i, r, channel, stub_cls(channel), load_pb2_grpc.LoadStub(channel)))
         self._tiebreak = itertools.count()
         self._poller: asyncio.Task | None = None

@@ -2,9 +2,14 @@
 decoders off the server's interpreter lock, and run side by side on every core given."""
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing
+import os
+import signal
+import sys
 import time
+from typing import NamedTuple
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -14,7 +19,7 @@ from omni.stage.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 from omni.v1 import omni_pb2
 from services.model.spec import OmniSpec
 from services.preprocess.media import Features, Preprocessor
-from services.runtime.config import MeshConfig
+from services.runtime.config import Limits, MeshConfig
 from services.runtime.errors import InvalidArgument, OmniError, ResourceExhausted
 from services.runtime.metrics import rpc
 from services.runtime.protoconv import timings
@@ -51,10 +56,19 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Fe
 _WORKER: Preprocessor | None = None
 
 
-def _init_worker(model_dir, limits, n_window, context) -> None:
+def _init_worker(model_dir, limits, n_window, context, parent: int) -> None:
     global _WORKER
+    die_with_parent(parent)
     single_threaded()
     _WORKER = Preprocessor(model_dir, limits, n_window, context)
+
+
+def die_with_parent(parent: int) -> None:
+    """A worker is killed when its stage process dies, even by SIGKILL (PR_SET_PDEATHSIG): no orphan holds its memory."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:  # the stage died before the request above
+        os._exit(1)
 
 
 def single_threaded() -> None:
@@ -71,13 +85,14 @@ def _prepare_in_worker(index: int, item: bytes) -> Features:
 
 
 class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
-    def __init__(self, pre: Preprocessor, transport: Transport, workers: int):
+    def __init__(self, pre: "Preprocessor | WorkerSetup", transport: Transport, workers: int):
         self.pre, self.transport, self.workers = pre, transport, workers
         self.pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:
+        args = (self.pre.model_dir, self.pre.limits, self.pre.n_window, self.pre.context, os.getpid())
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker, initargs=(self.pre.model_dir, self.pre.limits, self.pre.n_window, self.pre.context))
+                                   initializer=_init_worker, initargs=args)
 
     async def start(self) -> None:
         """Starts every worker process before the stage says it is serving (their imports take seconds)."""
@@ -115,10 +130,19 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
         return reply
 
 
+class WorkerSetup(NamedTuple):
+    """What the workers build their Preprocessor from: this process decodes nothing, so builds none (a restart
+    serves seconds sooner)."""
+    model_dir: str
+    limits: Limits
+    n_window: int
+    context: int
+
+
 async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     single_threaded()  # this process only moves bytes: threads per core would spin between copies
     spec = OmniSpec.load(cfg.model.dir)
-    pre = Preprocessor(cfg.model.dir, cfg.limits, spec.n_window, cfg.limits.max_context_tokens or spec.max_positions)
+    pre = WorkerSetup(cfg.model.dir, cfg.limits, spec.n_window, cfg.limits.max_context_tokens or spec.max_positions)
     transport = Transport(cfg.transport, f"preprocess{replica}")
     servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers)
     await servicer.start()

@@ -30,11 +30,21 @@ from services.runtime.worker import use_device
 log = logging.getLogger(__name__)
 
 STAGE_MESSAGE_BYTES = 1 << 30  # stages hand tensors inline where they cannot share memory
+# A restarted stage is called again within a second of serving: gRPC's default backoff (1 s growing to 120 s) would
+# idle it for seconds more; the connect timeout floor stays long enough for a remote host's handshake
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+                     ("grpc.min_reconnect_backoff_ms", 1000)]
 # The services a stage offers the world (API keys apply to them); the others' callers are the mesh itself.
 PUBLIC_SERVICES = {"gateway": ("omni.v1.Omni/",)}
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # An engine thread's wait for the interpreter lock: Python's default would follow each of its device waits
 SWITCH_INTERVAL_S = 0.0005
+# An engine thread that neither stepped nor woke idle this long is wedged (a step takes well under a second, a first
+# use's kernel compile tens of seconds): health says NOT_SERVING until it steps again
+ENGINE_STALL_S = 90.0
+# Wedged this much longer: the process exits, so a restart policy (compose's, the launcher's) starts it afresh
+WEDGED_EXIT_S = 120.0
+WATCH_EVERY_S = 1.0
 
 
 @dataclass
@@ -43,6 +53,7 @@ class Stage:
     services: list[str]
     close: Callable[[], Awaitable[None]] | None = None
     load: Callable[[], dict] | None = None  # EngineWorker.load, for the Load service
+    stalled: Callable[[], float] | None = None  # EngineWorker.stalled_for, for the watchdog
 
 
 Builder = Callable[[MeshConfig, int, grpc.aio.Server], Awaitable[Stage]]
@@ -81,7 +92,7 @@ def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: 
         worker.stop()
         transport.close()
 
-    return Stage(services=[name], close=close, load=worker.load)
+    return Stage(services=[name], close=close, load=worker.load, stalled=worker.stalled_for)
 
 
 class LoadServicer:
@@ -106,6 +117,26 @@ def enable_reflection(server: grpc.aio.Server, services: list[str]) -> None:
         servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),))
+
+
+async def watchdog(health_servicer, names: list[str], stalled: Callable[[], float], on_wedged: Callable[[], None],
+                   stall_s: float = ENGINE_STALL_S, exit_s: float = WEDGED_EXIT_S, every: float = WATCH_EVERY_S) -> None:
+    """Health NOT_SERVING while the engine is stalled past `stall_s`, SERVING once it steps again; `on_wedged` past
+    `stall_s + exit_s`."""
+    serving = True
+    while True:
+        await asyncio.sleep(every)
+        idle = stalled()
+        if serving == (idle > stall_s):
+            serving = not serving
+            log.warning("engine is stepping again: serving" if serving else f"engine stalled for {idle:.0f} s: not serving")
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in names:
+                await health_servicer.set(name, status)
+        if idle > stall_s + exit_s:
+            log.error("engine made no progress for %.0f s: exiting, to be started again", idle)
+            on_wedged()
+            return
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -144,7 +175,13 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     for name in ["", *built.services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s[%d] serving on %s (metrics :%d)", stage, replica, r.bind_address, r.metrics_port)
+    wedged = []
+    if built.stalled is not None:
+        watch = asyncio.create_task(watchdog(health_servicer, ["", *built.services], built.stalled,
+                                             lambda: (wedged.append(1), stop.set())))
     await stop.wait()
+    if built.stalled is not None:
+        watch.cancel()
     log.info("%s[%d] stopping", stage, replica)
     # A later signal (the launcher's SIGTERM behind a SIGINT) must not cut the exit short; a hung stop gets SIGKILL
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -154,6 +191,8 @@ async def serve(stage: str, cfg: MeshConfig, replica: int, build: Builder, max_m
     await server.stop(grace=3)
     if built.close is not None:
         await built.close()
+    if wedged:
+        sys.exit(f"{stage}[{replica}]: the engine was wedged")
 
 
 def die_with_launcher() -> None:

@@ -72,6 +72,7 @@ class EngineWorker:
         self._cancelled: set[int] = set()
         self._active: list[Handle] = []
         self._stopped = False
+        self.progress = time.monotonic()  # the engine thread's last step or idle wake-up: a watchdog's sign of life
         self._thread = threading.Thread(target=self._run, name=f"{stage}-engine", daemon=True)
         self._thread.start()
 
@@ -88,6 +89,10 @@ class EngineWorker:
         allocator = getattr(getattr(self.engine, "scheduler", None), "allocator", None)
         kv = allocator.used / allocator.num_blocks if allocator is not None and allocator.num_blocks else 0.0
         return {"queued": len(self._new), "active": len(self._active), "kv_used": kv}
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine thread last stepped or woke idle (it wakes at least every second)."""
+        return time.monotonic() - self.progress
 
     def notify(self) -> None:
         """New input arrived for a request already submitted."""
@@ -135,6 +140,7 @@ class EngineWorker:
                     self.engine.ready(h.req) for h in self._active
                 ):
                     self._cond.wait(timeout=1.0)
+                    self.progress = time.monotonic()
                 if self._stopped:
                     break
                 self._admit()
@@ -154,6 +160,7 @@ class EngineWorker:
                     h.req.done = True
                 posts = [(h, exc) for h in batch]
             metrics.STEP.labels(self.stage, "step").observe(time.perf_counter() - t0)
+            self.progress = time.monotonic()
             with self._cond:
                 for h in [h for h in self._active if h.req.done]:
                     self.engine.free(h.req)

@@ -50,14 +50,29 @@ def test_launch_demo_and_ctrl_c(tiny_model, tmp_path):
     assert not [p for p in Path("/dev/shm").glob("omni-*") if not Path(f"/proc/{p.name.rsplit('-', 1)[1]}").exists()]
 
 
-def test_stages_die_with_a_killed_launcher(tiny_model, tmp_path):
+def test_a_killed_stage_is_restarted_and_every_stage_dies_with_a_killed_launcher(tiny_model, tmp_path):
+    """The launcher's loop starts a killed talker again (and says so), the other stages untouched; killing the
+    launcher then ends every stage, the restarted one too."""
     config = write_config(tmp_path / "kill.yaml", tiny_model, encoders=1)
     proc = subprocess.Popen([sys.executable, "-m", "services.launch", "--config", str(config), "--log-dir", str(tmp_path)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = []
     for line in proc.stdout:
+        lines.append(line)
         if "mesh ready" in line:
             break
+    before = set(_stage_pids(config))
+    talker = [p for p in before if "services.talker" in Path(f"/proc/{p}/cmdline").read_text()]
+    os.kill(talker[0], signal.SIGKILL)
+    for line in proc.stdout:
+        lines.append(line)
+        if "talker-0 is serving again" in line:
+            break
+    log = "".join(lines)
+    assert "talker-0 exited with code -9: restarting it" in log and "talker-0 is serving again" in log, log
+    after = set(_stage_pids(config))
+    assert len(after) == 6 and before - after == set(talker), (before, after)  # only the talker is new
     proc.kill()
     proc.wait()
     assert wait_until(lambda: _stage_pids(config) == [], timeout=20, every=0.1), _stage_pids(config)
