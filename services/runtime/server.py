@@ -71,7 +71,7 @@ def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: 
     r = cfg.replicas(stage)[replica]
     log.info("%s[%d] engine: %s on %s", stage, replica, getattr(engine, "summary", type(engine).__name__), r.device)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    worker = EngineWorker(engine, stage)
+    worker = EngineWorker(engine, stage, getattr(cfg, stage))
     transport = Transport(cfg.transport, f"{stage}{replica}")
     if exports_gpu_tensors and engine.device.type == "cuda":
         transport.cuda_pool(engine.device)
