@@ -97,10 +97,20 @@ class LoadServicer:
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    # Streams one connection may carry at once: far above a stage's admission bound (the gateway's channel carries
+    # every call to it), so calls reach admission and are refused there rather than waiting in the transport
+    max_streams = 4096
+    keepalive_ms = 20_000  # a ping after this long without data finds a peer that vanished without closing
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", STAGE_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", max_streams),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", 10_000),  # unanswered this long, the connection is closed and its calls fail
+        ("grpc.http2.max_pings_without_data", 0),  # a long stream between messages keeps being pinged
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),  # a peer's keepalive is no abuse
+        ("grpc.max_connection_idle_ms", 300_000),  # a connection without calls for 5 minutes is closed
     ]
 
 
