@@ -122,8 +122,8 @@ class Gateway:
         self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions
         self.tts_ids = [self.spec.raw[k] for k in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")]
         # What the engines behind hold at once, every replica's; a speech request takes a slot of each
-        self.thinker_gate = Gate("the thinker", sum(slots(cfg.thinker) for _ in cfg.thinker.replicas))
-        self.talker_gate = Gate("the talker", sum(slots(cfg.talker) for _ in cfg.talker.replicas)) if has_talker else None
+        self.thinker_gate = Gate("the thinker", slots(cfg.thinker) * len(cfg.thinker.replicas))
+        self.talker_gate = Gate("the talker", slots(cfg.talker) * len(cfg.talker.replicas)) if has_talker else None
 
     async def close(self) -> None:
         for router in (self.preprocess, self.encoders, self.thinkers, self.talkers):
@@ -146,7 +146,7 @@ class Gateway:
 
     async def generate(self, req: omni_pb2.GenerateRequest, timeout: float | None):
         progress = Progress(time.perf_counter(), timeout)
-        self.thinker_gate.check(len(self.thinker_gate.waiters), self.thinker_gate.running, timeout)  # before any work
+        self.thinker_gate.refuse_early(timeout)
         r = resolve(req, self.spec, self.cfg.limits, self.talkers is not None, self.prompts.check_text)
         async with self.thinker_gate.enter(progress.left()):
             if not r.want_audio:

@@ -98,10 +98,14 @@ class Gate(Limit):
         self.running = 0
         self.waiters: deque[asyncio.Future] = deque()
 
+    def refuse_early(self, left: float | None) -> None:
+        """Raises Overloaded if a request arriving now would be refused: before any work is spent on it."""
+        self.check(len(self.waiters), self.running, left)
+
     @asynccontextmanager
     async def enter(self, left: float | None):
         """Holds a slot for the body; refused at once (Overloaded) if it cannot start in time."""
-        self.check(len(self.waiters), self.running, left)
+        self.refuse_early(left)
         if self.running < self.slots and not self.waiters:
             self.running += 1
         else:
