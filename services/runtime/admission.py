@@ -8,6 +8,7 @@ import time
 from collections import deque
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -22,6 +23,7 @@ UNSIZED_SLOTS = 16  # a stage whose section sizes no batch (the encoder): what o
 EWMA_WEIGHT = 0.2  # of each finished request in the mean hold time: follows a change of load within a few requests
 MIN_RETRY_S = 0.05  # the smallest retry hint: sooner only meets the same queue
 
+PUSHBACK = "grpc-retry-pushback-ms"  # what a client's retry policy waits for
 _DEADLINE: ContextVar[float | None] = ContextVar("rpc_deadline", default=None)
 
 
@@ -46,6 +48,13 @@ def queue_bound(n_slots: int) -> int:
     return max(1, math.ceil(n_slots * QUEUE_SHARE))
 
 
+@dataclass(frozen=True)
+class _Status(grpc.Status):
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple
+
+
 class Overloaded(ResourceExhausted):
     """Refused for load, not for what the request asks: retrying after `retry_after` seconds may succeed."""
 
@@ -54,13 +63,15 @@ class Overloaded(ResourceExhausted):
         self.retry_after = max(MIN_RETRY_S, retry_after)
 
     def status(self) -> grpc.Status:
-        """RESOURCE_EXHAUSTED with a google.rpc.RetryInfo in its details."""
+        """RESOURCE_EXHAUSTED with a google.rpc.RetryInfo in its details, and gRPC's own pushback trailer."""
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(self.retry_after * 1e9))
         detail = any_pb2.Any()
         detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-        return rpc_status.to_status(status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(self),
-                                                      details=[detail]))
+        status = rpc_status.to_status(status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(self),
+                                                        details=[detail]))
+        pushback = (PUSHBACK, str(math.ceil(self.retry_after * 1000)))
+        return _Status(status.code, status.details, (*status.trailing_metadata, pushback))
 
 
 class Limit:

@@ -67,7 +67,7 @@ async def _abort(context, exc: BaseException):
     if isinstance(exc, OmniError):
         await context.abort(exc.code, str(exc))
     if isinstance(exc, grpc.aio.AioRpcError):  # a downstream stage's status, passed on with its details
-        details = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k == STATUS_DETAILS)
+        details = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k in (STATUS_DETAILS, admission.PUSHBACK))
         await context.abort(exc.code(), exc.details() or "", details)
     log.exception("internal error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")

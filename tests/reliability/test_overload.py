@@ -79,14 +79,16 @@ def idle(mesh) -> bool:
     return True
 
 
-async def offer(stub, rate: float, seconds: float) -> list:
-    """Requests at `rate` a second for `seconds` (open loop: none waits for another), each read to its end."""
+async def offer(stub, rate: float, seconds: float) -> tuple[list, float]:
+    """Requests at `rate` a second for `seconds` (open loop: none waits for another), each read to its end; and
+    when the last was sent."""
     tasks, t0, i = [], time.perf_counter(), 0
     while (now := time.perf_counter()) - t0 < seconds:
         tasks.append(asyncio.create_task(timed(stub, text())))
         i += 1
         await asyncio.sleep(max(0.0, t0 + i / rate - now))
-    return await asyncio.gather(*tasks)
+    last = time.perf_counter()
+    return await asyncio.gather(*tasks), last
 
 
 async def closed_loop(stub, clients: int, seconds: float) -> tuple[float, list[float]]:
@@ -112,8 +114,7 @@ def test_five_times_capacity(small):
                 await timed(stub, text())
             unloaded = [(await timed(stub, text()))[1] for _ in range(6)]
             capacity, _ = await closed_loop(stub, SLOTS, 4.0)
-            results = await offer(stub, 5 * capacity, LOAD_S)
-            stopped = time.perf_counter()
+            results, stopped = await offer(stub, 5 * capacity, LOAD_S)
             return unloaded, capacity, results, stopped
 
     unloaded, capacity, results, stopped = asyncio.run(go())

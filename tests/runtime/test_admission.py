@@ -152,4 +152,5 @@ def test_statuses_a_call_ends_with():
     assert busy.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and busy.details() == "busy now"
     info = error_details_pb2.RetryInfo()
     assert rpc_status.from_call(busy).details[0].Unpack(info) and info.retry_delay.ToNanoseconds() == 1_500_000_000
+    assert dict(busy.trailing_metadata())["grpc-retry-pushback-ms"] == "1500"  # for clients' retry policies
     assert counted == {"DEADLINE_EXCEEDED": 1, "CANCELLED": 1}
