@@ -25,14 +25,16 @@ BOUND = SLOTS + queue_bound(SLOTS)  # requests a stage or the gateway takes befo
 TOKENS = 48  # per request: long enough that a step's jitter is small beside it
 DEADLINE_S = 10.0  # every loaded request's, as the clients of a service would set it
 LOAD_S = 6.0  # of five times capacity: unbounded queues would grow far past any deadline in it
-LONG = 256  # tokens (or frames) of a request that holds its slot while a test looks
+HOLD = 4000  # tokens of a request that holds its slot while a test looks
+FRAMES = 4096  # of speech asked by the stalled client: far more than the streams' windows hold
 
 
 @pytest.fixture(scope="module")
 def small(tiny_model, tmp_path_factory):
-    engine = {"max_seqs": SLOTS, "block_size": 8, "max_batched_tokens": 64, "kv_blocks": 256}
+    engine = {"max_seqs": SLOTS, "block_size": 8, "max_batched_tokens": 64, "kv_blocks": 1024}  # HOLD fits
     m = _running_mesh(tmp_path_factory.mktemp("overload"), tiny_model, encoders=1, thinker=dict(engine),
-                      talker=dict(engine), preprocess={"workers": 1})
+                      talker=dict(engine), preprocess={"workers": 1},
+                      limits={"max_new_tokens": HOLD, "max_context_tokens": HOLD + 64, "max_talker_frames": FRAMES})
     yield m
     codes = m.stop()
     assert all(c == 0 for c in codes.values()), f"stages did not stop cleanly: {codes}"
@@ -143,7 +145,7 @@ async def _one(address: str):
 
 def _thinker_request(i: int):
     return thinker_pb2.ThinkerRequest(request_id=f"direct{i}", prompt_ids=[1, 2, 3, 4],
-                                      sampling=common_pb2.Sampling(max_tokens=4 * LONG, ignore_eos=True))
+                                      sampling=common_pb2.Sampling(max_tokens=HOLD, ignore_eos=True))
 
 
 def test_a_direct_call_past_a_stages_bound_is_refused(small):
@@ -176,34 +178,38 @@ def test_a_direct_call_past_a_stages_bound_is_refused(small):
 
 
 def test_a_client_that_stops_reading_stops_the_stages(small):
-    """A speech stream whose client reads its first audio and then nothing: the talker stops producing long
-    before the speech asked for, and the gateway holds a few chunks, not the speech."""
-    talker_port, gateway_port = small.cfg.talker.replicas[0].metrics_port, small.cfg.gateway.replicas[0].metrics_port
-    frames = lambda: metric(talker_port, "omni_generated_tokens_total", stage="talker")  # noqa: E731
-    req = user(("text", "talk")).request(speech=True, max_tokens=LONG, frames=1024)
+    """A speech stream whose client reads its first audio and then nothing: the talker stops producing long before
+    the speech asked for, and the gateway holds a few outputs, not the whole answer (the text, a few bytes a token,
+    fits in the streams' windows: the thinker ends it)."""
+    ports = {stage: small.cfg.replicas(stage)[0].metrics_port for stage in ("gateway", "thinker", "talker")}
+
+    def made():
+        return tuple(metric(ports[s], "omni_generated_tokens_total", stage=s) for s in ("thinker", "talker"))
+
+    req = user(("text", "talk")).request(speech=True, max_tokens=TOKENS, frames=FRAMES)
     req.sampling.ignore_eos = req.talker_sampling.ignore_eos = True
-    before = frames()
-    # A small receive window, so that the client's own buffer is small too
+    before = made()
+    # The client's receive window stays small: what fills is the gateway's and the stages' own
     options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
     with grpc.insecure_channel(small.gateway_address, options=options) as ch:
         call = omni_pb2_grpc.OmniStub(ch).Generate(req, timeout=120)
         for resp in call:
             if resp.HasField("audio"):
                 break
-        rss = metric(gateway_port, "process_resident_memory_bytes")
-        last = [frames(), time.monotonic()]
+        rss = metric(ports["gateway"], "process_resident_memory_bytes")
+        last = [made(), time.monotonic()]
 
-        def settled():  # no frame produced for 2 s
-            now = frames()
+        def settled():  # nothing made for 2 s
+            now = made()
             if now != last[0]:
                 last[:] = [now, time.monotonic()]
             return time.monotonic() - last[1] > 2.0
 
-        assert wait_until(settled, timeout=30.0, every=0.2), "the talker kept producing for a stalled client"
-        produced = frames() - before
-        grown = metric(gateway_port, "process_resident_memory_bytes") - rss
+        assert wait_until(settled, timeout=40.0, every=0.2), f"the stages kept producing: {made()}"
+        frames = made()[1] - before[1]
+        grown = metric(ports["gateway"], "process_resident_memory_bytes") - rss
         call.cancel()
-    assert produced < 1024 / 2, f"{produced} frames made for a client that read one chunk"
+    assert frames < FRAMES / 2, f"{frames} frames made for a client that read one chunk"
     assert grown < 32 << 20, f"the gateway grew {grown / 2**20:.0f} MiB"
     assert wait_until(lambda: idle(small), timeout=5.0, every=0.1)
 
@@ -214,7 +220,7 @@ def test_overload_through_the_http_door_is_429_with_retry_after(small, tmp_path_
         async def go():
             async with grpc.aio.insecure_channel(small.gateway_address) as ch:
                 stub = omni_pb2_grpc.OmniStub(ch)
-                calls = [stub.Generate(text(LONG), timeout=60) for _ in range(BOUND)]
+                calls = [stub.Generate(text(HOLD), timeout=60) for _ in range(BOUND)]
                 await asyncio.gather(*(c.read() for c in calls[:SLOTS]))  # running; the rest waiting
                 port = small.cfg.gateway.replicas[0].metrics_port
                 assert await asyncio.to_thread(wait_until, lambda: metric(
