@@ -19,7 +19,7 @@ from services.runtime.errors import ResourceExhausted
 
 # Waiting requests per slot: a slot that frees is refilled at once, and none waits past about half a request's time
 QUEUE_SHARE = 0.5
-UNSIZED_SLOTS = 16  # a stage whose section sizes no batch (the encoder): what one step of it takes at once
+UNSIZED_SLOTS = 16  # an engine run without a config (tests, tools): what one step of it takes at once
 EWMA_WEIGHT = 0.2  # of each finished request in the mean hold time: follows a change of load within a few requests
 MIN_RETRY_S = 0.05  # the smallest retry hint: sooner only meets the same queue
 
@@ -42,6 +42,16 @@ def slots(section) -> int:
     n = getattr(section, "max_seqs", UNSIZED_SLOTS)
     blocks = getattr(section, "kv_blocks", 0)
     return max(1, min(n, blocks) if blocks else n)
+
+
+def stage_slots(cfg, stage: str) -> int:
+    """An LM stage's slots; the encoder's, what the gateway admits for the thinkers it feeds, so that a request
+    admitted there is not refused behind them."""
+    section = getattr(cfg, stage)
+    if hasattr(section, "max_seqs"):
+        return slots(section)
+    thinkers = slots(cfg.thinker) * len(cfg.thinker.replicas)
+    return thinkers + queue_bound(thinkers)
 
 
 def queue_bound(n_slots: int) -> int:

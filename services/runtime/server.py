@@ -65,13 +65,14 @@ def add_service(server: grpc.aio.Server, servicer, service) -> str:
 def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: int, engine, make_servicer, service,
                  exports_gpu_tensors: bool = False) -> Stage:
     """An engine on its own thread, a transport (its GPU pool made before serving), the servicer registered."""
+    from services.runtime.admission import stage_slots
     from services.runtime.transport import Transport
     from services.runtime.worker import EngineWorker
 
     r = cfg.replicas(stage)[replica]
     log.info("%s[%d] engine: %s on %s", stage, replica, getattr(engine, "summary", type(engine).__name__), r.device)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    worker = EngineWorker(engine, stage, getattr(cfg, stage))
+    worker = EngineWorker(engine, stage, stage_slots(cfg, stage))
     transport = Transport(cfg.transport, f"{stage}{replica}")
     if exports_gpu_tensors and engine.device.type == "cuda":
         transport.cuda_pool(engine.device)

@@ -79,10 +79,10 @@ def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, stage: str, section=None):
-        """`section`: the stage's config, whose batch and KV cache size the engine's admission slots."""
+    def __init__(self, engine: Engine, stage: str, slots: int = admission.UNSIZED_SLOTS):
+        """`slots`: requests the engine holds at once (admission.stage_slots); a bounded queue waits behind them."""
         self.engine, self.stage = engine, stage
-        self.limit = admission.Limit(stage, admission.slots(section))
+        self.limit = admission.Limit(stage, slots)
         self._cond = threading.Condition()
         self._new: list[Handle] = []
         self._cancelled: set[Handle] = set()

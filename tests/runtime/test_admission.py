@@ -12,14 +12,18 @@ from grpc_status import rpc_status
 
 from omni.stage.v1 import load_pb2, load_pb2_grpc
 from services.runtime import metrics
-from services.runtime.admission import Gate, Limit, Overloaded, slots
+from services.runtime.admission import Gate, Limit, Overloaded, slots, stage_slots
+from services.runtime.config import MeshConfig, Replica
 from services.runtime.worker import OUTPUT_BOUND, EngineWorker
 
 
 def test_slots_come_from_the_batch_and_the_kv_cache():
     assert slots(types.SimpleNamespace(max_seqs=8, kv_blocks=0)) == 8
     assert slots(types.SimpleNamespace(max_seqs=8, kv_blocks=3)) == 3  # a sequence holds a block at least
-    assert slots(None) > 0  # a stage that sizes no batch still has a bound
+    cfg = MeshConfig()
+    cfg.thinker.max_seqs, cfg.thinker.replicas = 8, [Replica(), Replica()]
+    assert stage_slots(cfg, "thinker") == 8
+    assert stage_slots(cfg, "encoder") == 16 + 8  # all the gateway admits for the thinkers: none refused behind
 
 
 def test_a_deadline_shorter_than_the_wait_is_refused_at_once():
@@ -83,7 +87,7 @@ class _Counting:
 def test_a_worker_holds_its_slots_refuses_past_its_queue_and_skips_the_stalled():
     async def go():
         engine = _Counting()
-        w = EngineWorker(engine, "counting", types.SimpleNamespace(max_seqs=1, kv_blocks=0))
+        w = EngineWorker(engine, "counting", slots=1)
         try:
             a = w.submit(types.SimpleNamespace(name="a", done=False))
             b = w.submit(types.SimpleNamespace(name="b", done=False))  # queued behind a
