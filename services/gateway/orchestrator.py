@@ -6,7 +6,7 @@ import io
 import time
 import uuid
 import wave
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,11 +150,12 @@ class Gateway:
         r = resolve(req, self.spec, self.cfg.limits, self.talkers is not None, self.prompts.check_text)
         async with self.thinker_gate.enter(progress.left()):
             if not r.want_audio:
-                async for response in self._generate(req, r, progress):
-                    yield response
+                async with aclosing(self._generate(req, r, progress)) as responses:
+                    async for response in responses:
+                        yield response
                 return
-            async with self.talker_gate.enter(progress.left()):
-                async for response in self._generate(req, r, progress):
+            async with self.talker_gate.enter(progress.left()), aclosing(self._generate(req, r, progress)) as responses:
+                async for response in responses:
                     yield response
 
     async def _generate(self, req: omni_pb2.GenerateRequest, r: Resolved, progress: Progress):

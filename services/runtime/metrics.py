@@ -1,6 +1,7 @@
 """Prometheus metrics every stage exports, and the decorator that counts each RPC by its status."""
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -125,8 +126,10 @@ def rpc(fn):
         async def stream(self, request, context):
             t0, code = start(context), grpc.StatusCode.OK
             try:
-                async for item in fn(self, _check(request), context):
-                    yield item
+                # Closed however the call ends, so its finally blocks run now, not when a collection finds it
+                async with contextlib.aclosing(fn(self, _check(request), context)) as items:
+                    async for item in items:
+                        yield item
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
                 code = _outcome(exc, context)
                 await _end(context, exc)
