@@ -52,7 +52,8 @@ class OmniServicer:
     def Generate(self, request, context):
         """Streams TextDelta and AudioChunk events as they are produced, then exactly one Finished event.
         Errors: INVALID_ARGUMENT (malformed request or media), RESOURCE_EXHAUSTED (over a configured
-        limit; when the deployment is overloaded instead, with a grpc-retry-pushback-ms trailer),
+        limit; when the deployment is overloaded instead, at once, with a google.rpc.RetryInfo in the
+        status details and a grpc-retry-pushback-ms trailer),
         FAILED_PRECONDITION (asks for something this deployment cannot do, e.g. audio without a talker),
         UNAVAILABLE (a stage is down), DEADLINE_EXCEEDED, CANCELLED.
         """

@@ -5,6 +5,8 @@ import json
 import math
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from pydantic import ValidationError
 from starlette.responses import Response
 
@@ -39,7 +41,8 @@ _STATUS = {
     grpc.StatusCode.OUT_OF_RANGE: (400, INVALID, None),
     # Asks for what this deployment cannot do (speech without a talker).
     grpc.StatusCode.FAILED_PRECONDITION: (400, INVALID, "unsupported_request"),
-    # A limit of the request itself (pixels, seconds, items): 400 like every other bad-media case.
+    # A limit of the request itself (pixels, seconds, items): 400 like every other bad-media case; overload comes
+    # with a retry hint and is 429.
     grpc.StatusCode.RESOURCE_EXHAUSTED: (400, INVALID, "over_limit"),
     grpc.StatusCode.UNAUTHENTICATED: (401, INVALID, "invalid_api_key"),
     grpc.StatusCode.PERMISSION_DENIED: (403, INVALID, None),
@@ -50,14 +53,26 @@ _STATUS = {
 PUSHBACK = "grpc-retry-pushback-ms"
 
 
+def retry_after(e: grpc.aio.AioRpcError) -> float | None:
+    """Seconds the server asks a client to wait before retrying: its google.rpc.RetryInfo, or its pushback trailer."""
+    try:
+        status = rpc_status.from_call(e)
+    except ValueError:  # details that contradict the call's own status: none to trust
+        status = None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.ToNanoseconds() / 1e9
+    pushback = dict(e.trailing_metadata() or ()).get(PUSHBACK)
+    return int(pushback) / 1000 if pushback is not None and str(pushback).isdigit() else None
+
+
 def from_grpc(e: grpc.aio.AioRpcError) -> ApiError:
     code, message = e.code(), e.details() or e.code().name
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        # Overload, said the gRPC way (server pushback): 429, retry after the time it gives.
-        pushback = dict(e.trailing_metadata() or ()).get(PUSHBACK)
-        if pushback is not None and str(pushback).isdigit():
-            retry = str(max(1, math.ceil(int(pushback) / 1000)))
-            return ApiError(429, message, "rate_limit_error", code="rate_limit_exceeded", headers={"retry-after": retry})
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (after := retry_after(e)) is not None:
+        # Overload, said the gRPC way (a retry hint): 429, retry after the time it gives, in whole seconds.
+        retry = str(max(1, math.ceil(after)))
+        return ApiError(429, message, "rate_limit_error", code="rate_limit_exceeded", headers={"retry-after": retry})
     status, type_, err_code = _STATUS.get(code, (500, "server_error", None))
     return ApiError(status, message, type_, code=err_code)
 

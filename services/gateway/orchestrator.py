@@ -6,6 +6,7 @@ import io
 import time
 import uuid
 import wave
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ from services.gateway.prompt import MediaRef, PromptBuilder
 from services.gateway.router import LOAD_POLL_S, Endpoint, Router
 from services.gateway.validate import Resolved, resolve
 from services.model.spec import OmniSpec
+from services.runtime.admission import Gate, slots
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.protoconv import sampling_to_proto
@@ -28,6 +30,9 @@ from services.runtime.transport import SHM_DOMAIN
 
 MEDIA_KINDS = {common_pb2.MEDIA_KIND_IMAGE: "image", common_pb2.MEDIA_KIND_AUDIO: "audio", common_pb2.MEDIA_KIND_VIDEO: "video"}
 SAMPLE_RATE = 24000
+# Outputs a request's stream holds unread (a few chunks of speech): past that the client is not reading, and the
+# gateway stops pulling from the stages
+STREAM_BOUND = 8
 
 
 def _placement(endpoint: Endpoint | None, shm: bool) -> tensor_pb2.Placement:
@@ -45,6 +50,37 @@ def wav_bytes(pcm16: bytes, rate: int = SAMPLE_RATE) -> bytes:
         w.setframerate(rate)
         w.writeframes(pcm16)
     return buf.getvalue()
+
+
+@contextmanager
+def _cancelling(call):
+    """A stage call cancelled however its caller leaves it: waiting for the client's stream is not in the call."""
+    try:
+        yield call
+    finally:
+        call.cancel()
+
+
+class Outbox:
+    """One request's queue between its tasks: `put` waits while `bound` items are unread; `put_last` (an end, an
+    error) never waits."""
+
+    def __init__(self, bound: int = STREAM_BOUND):
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._room = asyncio.Semaphore(bound)
+
+    async def put(self, item) -> None:
+        await self._room.acquire()
+        self._items.put_nowait((True, item))
+
+    def put_last(self, item) -> None:
+        self._items.put_nowait((False, item))
+
+    async def get(self):
+        counted, item = await self._items.get()
+        if counted:
+            self._room.release()
+        return item
 
 
 @dataclass
@@ -86,6 +122,9 @@ class Gateway:
                               security=sec) if has_talker else None
         self.max_context = cfg.limits.max_context_tokens or self.spec.max_positions
         self.tts_ids = [self.spec.raw[k] for k in ("tts_bos_token_id", "tts_eos_token_id", "tts_pad_token_id")]
+        # What the engines behind hold at once, every replica's; a speech request takes a slot of each
+        self.thinker_gate = Gate("the thinker", slots(cfg.thinker) * len(cfg.thinker.replicas))
+        self.talker_gate = Gate("the talker", slots(cfg.talker) * len(cfg.talker.replicas)) if has_talker else None
 
     async def close(self) -> None:
         for router in (self.preprocess, self.encoders, self.thinkers, self.talkers):
@@ -108,7 +147,19 @@ class Gateway:
 
     async def generate(self, req: omni_pb2.GenerateRequest, timeout: float | None):
         progress = Progress(time.perf_counter(), timeout)
+        self.thinker_gate.refuse_early(timeout)
         r = resolve(req, self.spec, self.cfg.limits, self.talkers is not None, self.prompts.check_text)
+        async with self.thinker_gate.enter(progress.left()):
+            if not r.want_audio:
+                async with aclosing(self._generate(req, r, progress)) as responses:
+                    async for response in responses:
+                        yield response
+                return
+            async with self.talker_gate.enter(progress.left()), aclosing(self._generate(req, r, progress)) as responses:
+                async for response in responses:
+                    yield response
+
+    async def _generate(self, req: omni_pb2.GenerateRequest, r: Resolved, progress: Progress):
         rid = req.request_id or uuid.uuid4().hex
         thinker_ep = self.thinkers.pick("audio" if r.want_audio else "text")
         talker_ep = self.talkers.pick() if r.want_audio else None
@@ -118,8 +169,8 @@ class Gateway:
             spans=spans, sampling=sampling_to_proto(r.thinker), return_states=r.want_audio, placement=_placement(talker_ep, self.cfg.transport.shm),
             embed_token_ids=self.tts_ids if r.want_audio else [],
         )
-        events: asyncio.Queue = asyncio.Queue()
-        talker_inputs: asyncio.Queue | None = asyncio.Queue() if r.want_audio else None
+        events = Outbox()
+        talker_inputs = Outbox() if r.want_audio else None
         start = None if talker_ep is None else talker_pb2.TalkerStart(
             request_id=rid, prompt_ids=prompt.ids, voice=r.voice, sampling=sampling_to_proto(r.talker),
             layout=common_pb2.MediaLayout(
@@ -185,15 +236,15 @@ class Gateway:
         return spans, prompt
 
     @staticmethod
-    async def _guard(events: asyncio.Queue, body) -> None:
+    async def _guard(events: Outbox, body) -> None:
         try:
             await body
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the request's stream reports it
-            events.put_nowait(("error", exc))
+            events.put_last(("error", exc))
         finally:
-            events.put_nowait(("done", None))
+            events.put_last(("done", None))
 
     async def _thinker(self, treq, ep: Endpoint, r: Resolved, start, talker_inputs, events, progress: Progress):
         detok = Detokenizer(self.prompts.tokenizer, r.stop)
@@ -204,9 +255,9 @@ class Gateway:
                     if talker_inputs is not None:
                         if out.HasField("token_embeds"):
                             start.tts_embeds.CopyFrom(out.token_embeds)
-                            talker_inputs.put_nowait(talker_pb2.TalkerInput(start=start))
+                            await talker_inputs.put(talker_pb2.TalkerInput(start=start))
                         if out.HasField("states"):
-                            talker_inputs.put_nowait(talker_pb2.TalkerInput(states=talker_pb2.ThinkerStates(
+                            await talker_inputs.put(talker_pb2.TalkerInput(states=talker_pb2.ThinkerStates(
                                 start=out.state_start, states=out.states)))
                     progress.completion_tokens += len(out.token_ids)
                     if not progress.first_token:
@@ -217,16 +268,17 @@ class Gateway:
                         progress.reason = omni_pb2.FINISH_REASON_STOP if out.stop_reason == thinker_pb2.STOP_REASON_EOS else omni_pb2.FINISH_REASON_LENGTH
                         progress.add_timings(out.timings)
                     if r.want_text and (text or out.token_ids):
-                        events.put_nowait(("text", omni_pb2.TextDelta(text=text, token_ids=out.token_ids)))
+                        await events.put(("text", omni_pb2.TextDelta(text=text, token_ids=out.token_ids)))
                     if detok.stopped:
                         progress.reason = omni_pb2.FINISH_REASON_STOP_STRING
                         call.cancel()
                         break
             finally:
+                call.cancel()  # see _cancelling
                 if talker_inputs is not None:
-                    talker_inputs.put_nowait(talker_pb2.TalkerInput(end=talker_pb2.TextEnd()))
+                    talker_inputs.put_last(talker_pb2.TalkerInput(end=talker_pb2.TextEnd()))
 
-    async def _talker(self, ep: Endpoint, inputs: asyncio.Queue, r: Resolved, events, progress: Progress):
+    async def _talker(self, ep: Endpoint, inputs: Outbox, r: Resolved, events, progress: Progress):
         async def requests():
             while True:
                 msg = await inputs.get()
@@ -236,8 +288,8 @@ class Gateway:
 
         wav_parts, index = [], 0
         encoder = AudioEncoder(r.audio_format, SAMPLE_RATE) if r.audio_format in ENCODINGS else None
-        with self.talkers.use(ep):
-            async for out in ep.stub.Synthesize(requests(), timeout=progress.left()):
+        with self.talkers.use(ep), _cancelling(ep.stub.Synthesize(requests(), timeout=progress.left())) as call:
+            async for out in call:
                 if out.HasField("finished"):
                     progress.audio_frames = out.finished.frames
                     progress.add_timings(out.finished.timings)
@@ -253,19 +305,19 @@ class Gateway:
                     wav_parts.append(pcm16)
                     continue
                 data = pcm16 if encoder is None else encoder.push(pcm16)
-                events.put_nowait(("audio", omni_pb2.AudioChunk(
+                await events.put(("audio", omni_pb2.AudioChunk(
                     data=data, format=r.audio_format, sample_rate=SAMPLE_RATE, index=index, start_seconds=start,
                     duration_seconds=len(pcm) / SAMPLE_RATE,
                     codec_codes=chunk.codes if r.return_codes else [], num_codebooks=chunk.num_codebooks if r.return_codes else 0,
                 )))
                 index += 1
         if encoder is not None:
-            events.put_nowait(("audio", omni_pb2.AudioChunk(
+            await events.put(("audio", omni_pb2.AudioChunk(
                 data=encoder.close(), format=r.audio_format, sample_rate=SAMPLE_RATE, index=index,
                 start_seconds=progress.audio_samples / SAMPLE_RATE)))
         if wav_parts:
             data = b"".join(wav_parts)
-            events.put_nowait(("audio", omni_pb2.AudioChunk(
+            await events.put(("audio", omni_pb2.AudioChunk(
                 data=wav_bytes(data), format=omni_pb2.AUDIO_FORMAT_WAV, sample_rate=SAMPLE_RATE, index=0,
                 start_seconds=0.0, duration_seconds=len(data) / 2 / SAMPLE_RATE,
             )))

@@ -1,5 +1,7 @@
 """Gateway: the public omni.v1.Omni API in front of the mesh."""
 
+from contextlib import aclosing
+
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.gateway.orchestrator import Gateway
 from services.runtime.config import MeshConfig
@@ -13,8 +15,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     @rpc
     async def Generate(self, request, context):
-        async for response in self.gateway.generate(request, context.time_remaining()):
-            yield response
+        async with aclosing(self.gateway.generate(request, context.time_remaining())) as responses:
+            async for response in responses:
+                yield response
 
     @rpc
     async def GetModelInfo(self, request, context):

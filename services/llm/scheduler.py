@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running sequences go first (a decode is one token; a prompt goes in chunks),
 then waiting ones, oldest first, as far as the budget and the KV blocks allow. When blocks run out, the
-most recently admitted sequence is preempted: its blocks are freed and it is recomputed later."""
+most recently admitted sequence is preempted: its blocks are freed and it is recomputed later. A held sequence
+(its reader fell behind) keeps its blocks and gets no rows until it is let go."""
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ class SeqState:
     owner: object = None  # the engine's request
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose keys and values are in the cache
+    held: bool = False  # skipped by steps, blocks kept
 
     @property
     def pending(self) -> int:
@@ -49,6 +51,12 @@ class Scheduler:
         self.allocator.release(seq.blocks)
         seq.blocks, seq.computed = [], 0
 
+    def hold(self, owner, on: bool) -> None:
+        """Holds (or lets go) the sequence of `owner`: steps skip it and it keeps its blocks."""
+        for seq in (*self.running, *self.waiting):
+            if seq.owner is owner:
+                seq.held = on
+
     def _blocks_for(self, seq: SeqState, n: int) -> int:
         return max(0, -(-(seq.computed + n) // self.block_size) - len(seq.blocks))
 
@@ -64,6 +72,8 @@ class Scheduler:
         # Runs per sequence every step: a sequence needing no block costs a few integer operations, no calls
         for seq in list(self.running):
             if preempted != self.preemptions and seq not in self.running:  # preempted earlier this step
+                continue
+            if seq.held:
                 continue
             computed = seq.computed
             n = min(len(seq.tokens) - computed, budget)

@@ -1,6 +1,7 @@
 """Prometheus metrics every stage exports, and the decorator that counts each RPC by its status."""
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -9,6 +10,7 @@ import time
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.runtime import admission
 from services.runtime.errors import InvalidArgument, OmniError
 
 log = logging.getLogger(__name__)
@@ -56,11 +58,18 @@ def _status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+STATUS_DETAILS = "grpc-status-details-bin"  # google.rpc.Status (RetryInfo and friends) in the trailers
+
+
 async def _abort(context, exc: BaseException):
+    if isinstance(exc, admission.Overloaded):
+        status = exc.status()
+        await context.abort(status.code, status.details, status.trailing_metadata)
     if isinstance(exc, OmniError):
         await context.abort(exc.code, str(exc))
-    if isinstance(exc, grpc.aio.AioRpcError):
-        await context.abort(exc.code(), exc.details() or "")  # a downstream stage's status, passed on
+    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream stage's status, passed on with its details
+        details = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k in (STATUS_DETAILS, admission.PUSHBACK))
+        await context.abort(exc.code(), exc.details() or "", details)
     log.exception("internal error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -96,8 +105,9 @@ def rpc(fn):
     """Wraps a servicer method (unary or streaming): metrics by status, OmniError -> gRPC status."""
     method = fn.__name__
 
-    def start():
+    def start(context):
         global _IN_FLIGHT
+        admission.set_deadline(context.time_remaining())  # for the stage's admission of this call
         _IN_FLIGHT += 1
         INFLIGHT.labels(STAGE, method).inc()
         return time.perf_counter()
@@ -105,7 +115,7 @@ def rpc(fn):
     def finish(t0: float, code: grpc.StatusCode, context) -> None:
         global _IN_FLIGHT
         if code == grpc.StatusCode.OK and context.cancelled():
-            code = grpc.StatusCode.CANCELLED
+            code = _cancel_code(context)
         _IN_FLIGHT -= 1
         INFLIGHT.labels(STAGE, method).dec()
         LATENCY.labels(STAGE, method).observe(time.perf_counter() - t0)
@@ -114,12 +124,14 @@ def rpc(fn):
     if inspect.isasyncgenfunction(fn):
         @functools.wraps(fn)
         async def stream(self, request, context):
-            t0, code = start(), grpc.StatusCode.OK
+            t0, code = start(context), grpc.StatusCode.OK
             try:
-                async for item in fn(self, _check(request), context):
-                    yield item
+                # Closed however the call ends, so its finally blocks run now, not when a collection finds it
+                async with contextlib.aclosing(fn(self, _check(request), context)) as items:
+                    async for item in items:
+                        yield item
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
-                code = _outcome(exc)
+                code = _outcome(exc, context)
                 await _end(context, exc)
             finally:
                 finish(t0, code, context)
@@ -127,19 +139,25 @@ def rpc(fn):
 
     @functools.wraps(fn)
     async def unary(self, request, context):
-        t0, code = start(), grpc.StatusCode.OK
+        t0, code = start(context), grpc.StatusCode.OK
         try:
             return await fn(self, _check(request), context)
         except BaseException as exc:  # noqa: BLE001
-            code = _outcome(exc)
+            code = _outcome(exc, context)
             await _end(context, exc)
         finally:
             finish(t0, code, context)
     return unary
 
 
-def _outcome(exc: BaseException) -> grpc.StatusCode:
-    return grpc.StatusCode.CANCELLED if _is_cancel(exc) else _status_of(exc)
+def _outcome(exc: BaseException, context) -> grpc.StatusCode:
+    return _cancel_code(context) if _is_cancel(exc) else _status_of(exc)
+
+
+def _cancel_code(context) -> grpc.StatusCode:
+    """A call that ended unfinished: its deadline passed (the server's clock says none is left), or its caller left."""
+    left = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0 else grpc.StatusCode.CANCELLED
 
 
 async def _end(context, exc: BaseException) -> None:

@@ -76,13 +76,14 @@ def add_service(server: grpc.aio.Server, servicer, service) -> str:
 def engine_stage(server: grpc.aio.Server, stage: str, cfg: MeshConfig, replica: int, engine, make_servicer, service,
                  exports_gpu_tensors: bool = False) -> Stage:
     """An engine on its own thread, a transport (its GPU pool made before serving), the servicer registered."""
+    from services.runtime.admission import stage_slots
     from services.runtime.transport import Transport
     from services.runtime.worker import EngineWorker
 
     r = cfg.replicas(stage)[replica]
     log.info("%s[%d] engine: %s on %s", stage, replica, getattr(engine, "summary", type(engine).__name__), r.device)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    worker = EngineWorker(engine, stage)
+    worker = EngineWorker(engine, stage, stage_slots(cfg, stage))
     transport = Transport(cfg.transport, f"{stage}{replica}")
     if exports_gpu_tensors and engine.device.type == "cuda":
         transport.cuda_pool(engine.device)
@@ -140,10 +141,20 @@ async def watchdog(health_servicer, names: list[str], stalled: Callable[[], floa
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    # Streams one connection may carry at once: far above a stage's admission bound (the gateway's channel carries
+    # every call to it), so calls reach admission and are refused there rather than waiting in the transport
+    max_streams = 4096
+    keepalive_ms = 20_000  # a ping after this long without data finds a peer that vanished without closing
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", STAGE_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", max_streams),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", 10_000),  # unanswered this long, the connection is closed and its calls fail
+        ("grpc.http2.max_pings_without_data", 0),  # a long stream between messages keeps being pinged
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),  # a peer's keepalive is no abuse
+        ("grpc.max_connection_idle_ms", 300_000),  # a connection without calls for 5 minutes is closed
     ]
 
 
