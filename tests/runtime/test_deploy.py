@@ -113,7 +113,10 @@ def check_healthchecks(cfg: MeshConfig, compose: dict) -> None:
         if test[0] in ("CMD", "CMD-SHELL"):
             test = test[1:] if test[0] == "CMD" else shlex.split(" ".join(test[1:]))
         http = ["--http"] if stage in cfg.HTTP_STAGES else []
-        assert test == ["python", "-m", "services.runtime.probe", r.address, *http], f"{r.host}: healthcheck {hc['test']}"
+        command = argv(compose["services"][r.host]["command"])
+        config = command[command.index("--config") + 1]  # the probe reads the stage's own config, for its TLS
+        expected = ["python", "-m", "services.runtime.probe", r.address, "--config", config, *http]
+        assert test == expected, f"{r.host}: healthcheck {hc['test']}"
         assert int(hc["retries"]) >= 1 and seconds(hc["timeout"]) < seconds(hc["interval"]), r.host
         least = 300 if r.device.startswith("cuda") else 30  # loading weights on a GPU takes minutes
         assert seconds(hc["start_period"]) >= least, f"{r.host}: start_period {hc['start_period']} < {least}s"
@@ -247,6 +250,20 @@ def test_model_mount(cfg, compose):
 
 def test_ports(cfg, compose):
     check_ports(cfg, compose)
+
+
+def test_only_the_doors_leave_the_mesh_network(cfg, compose):
+    """Internal stages sit on an internal network alone and publish nothing; the gateway and the door join the
+    public one too."""
+    assert compose["networks"]["mesh"].get("internal") is True
+    doors = {cfg.gateway.replicas[0].host} | {r.host for r in cfg.api.replicas}
+    for _, _, r in replicas(cfg):
+        service = compose["services"][r.host]
+        nets = sorted(service.get("networks", []))
+        if r.host in doors:
+            assert nets == ["mesh", "public"], f"{r.host}: networks {nets}"
+        else:
+            assert nets == ["mesh"] and not service.get("ports"), f"{r.host}: networks {nets}, ports {service.get('ports')}"
 
 
 def test_prometheus(cfg, prometheus):
