@@ -34,9 +34,11 @@ def descendants(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         out.append(p)
-        for task in Path(f"/proc/{p}/task").iterdir():
-            kids = (task / "children").read_text().split()
-            todo += [int(k) for k in kids]
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(k) for k in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
+            pass
     return out
 
 
@@ -52,7 +54,13 @@ def tree_rss(pid: int) -> int:
 
 
 def open_files(pid: int) -> int:
-    return sum(len(os.listdir(f"/proc/{p}/fd")) for p in descendants(pid) if Path(f"/proc/{p}").exists())
+    total = 0
+    for p in descendants(pid):
+        try:
+            total += len(os.listdir(f"/proc/{p}/fd"))
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def shm_bytes() -> int:
