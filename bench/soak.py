@@ -121,8 +121,22 @@ def _client(address: str, stop: threading.Event, worker: int, soak: Soak, lock: 
             i += 7  # workers' kinds drift apart, so every mix of kinds shares steps
 
 
+def warm(address: str, clients: int) -> None:
+    """Every batch the soak can make, made once first: what a stage keeps for a new batch size (its buffers, plans
+    and graphs) is allocated here, and not read later as growth."""
+    with grpc.insecure_channel(address) as ch:
+        stub = omni_pb2_grpc.OmniStub(ch)
+        for kind in ("speech", "image", "audio", "text"):
+            for n in range(1, clients + 1):
+                calls = [stub.Generate(request(kind, i), timeout=60) for i in range(n)]
+                for call in calls:
+                    for _ in call:
+                        pass
+
+
 def run(address: str, pids: dict[str, int], seconds: float, clients: int = 4, every_s: float = 2.0) -> Soak:
     soak, lock, stop = Soak(), threading.Lock(), threading.Event()
+    warm(address, clients)
     threads = [threading.Thread(target=_client, args=(address, stop, w, soak, lock), daemon=True) for w in range(clients)]
     for t in threads:
         t.start()
