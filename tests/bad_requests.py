@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 
 from omni.v1 import omni_pb2
-from references import Case, png, wav
+from references import Case, png, video_file, wav
 
 INVALID, EXHAUSTED, PRECONDITION = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     grpc.StatusCode.FAILED_PRECONDITION)
@@ -54,8 +54,15 @@ def raw_pcm_request(data: bytes, rate: int, encoding=omni_pb2.PCM_ENCODING_S16LE
     return req
 
 
+def both_video():
+    req = user(("video_file", video_file(1, 32, 32)), ("text", "x")).request()
+    req.messages[0].parts[0].video.frames.append(omni_pb2.Image(data=png(1, 32, 32)))
+    return req
+
+
 def bad_requests():
     good_png, good_wav = png(5), wav(6)
+    good_mp4, good_webm = video_file(1, 32, 32), video_file(1, 32, 32, "webm", "libvpx-vp9")
     r = random.Random(0)
     cases = {
         "corrupt image": (user(("image", bytes(r.randrange(256) for _ in range(500))), ("text", "x")).request(), INVALID, "cannot decode image"),
@@ -87,6 +94,21 @@ def bad_requests():
         "NaN audio samples": (user(("audio", nan_wav()), ("text", "x")).request(), INVALID, "media item 0: audio samples contain NaN"),
         "unknown output modality": (unknown_modality(), INVALID, "unknown modality 7"),
         "video too long": (user(("video", ([png(1, 32, 32)] * 9, 1.0)), ("text", "x")).request(), EXHAUSTED, "9 frames"),
+        "corrupt video file": (user(("video_file", good_mp4[:2000] + bytes(3000) + good_mp4[5000:]), ("text", "x")).request(),
+                               INVALID, "media item 0: cannot decode video"),
+        "truncated video file": (user(("video_file", good_mp4[: len(good_mp4) // 2]), ("text", "x")).request(), INVALID,
+                                 "media item 0: cannot decode video (MP4, MOV, MKV or WebM expected)"),
+        "truncated webm file": (user(("video_file", good_webm[: len(good_webm) // 2]), ("text", "x")).request(), INVALID,
+                                "media item 0: the video file is truncated"),
+        "unsupported video codec": (user(("video_file", video_file(1, 32, 32, codec="mpeg4")), ("text", "x")).request(),
+                                    INVALID, "media item 0: video codec mpeg4 is not supported"),
+        "video file too long": (user(("video_file", video_file(25, 32, 32, rate=2)), ("text", "x")).request(), EXHAUSTED,
+                                "media item 0: 25.0 s of video is over the limit of 20 s"),
+        "video file frames": (user(("video_file", video_file(6, 32, 32, rate=5)), ("text", "x")).request(), EXHAUSTED,
+                              "media item 0: 12 frames sampled at 2 fps is over the limit of 8"),
+        "video frame pixels": (user(("video_file", video_file(0.2, 1280, 1024)), ("text", "x")).request(), EXHAUSTED,
+                               "media item 0: video frames of 1280x1024 = 1310720 pixels are over the limit"),
+        "video frames and file": (both_video(), INVALID, "media item 0: a video has either frames or a file, not both"),
     }
     return cases
 

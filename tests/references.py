@@ -34,6 +34,39 @@ def wav(seed: int, seconds: float = 1.0, rate: int = 16000, channels: int = 1) -
     return buf.getvalue()
 
 
+def video_file(seconds: float = 2.0, width: int = 160, height: int = 120, muxer: str = "mp4", codec: str = "libx264",
+               sound: str = "", rate: int = 25, seed: int = 0) -> bytes:
+    """A clip made by PyAV: moving noise over a gradient (every sampled frame differs), with a stereo tone as its
+    soundtrack if `sound` names an audio encoder."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=muxer) as out:
+        v = out.add_stream(codec, rate=rate)
+        v.width, v.height, v.pix_fmt = width, height, "yuv420p"
+        a = out.add_stream(sound, rate=48000, layout="stereo") if sound else None
+        for i in range(round(seconds * rate)):
+            frame = av.VideoFrame.from_ndarray(np.roll(base, 3 * i, axis=1), format="rgb24")
+            for packet in v.encode(frame):
+                out.mux(packet)
+        for packet in v.encode(None):
+            out.mux(packet)
+        if a is not None:
+            t = np.arange(round(seconds * 48000)) / 48000
+            pcm = (0.3 * np.stack([np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 660 * t)])).astype(np.float32)
+            step = a.codec_context.frame_size or 960
+            for at in range(0, pcm.shape[1], step):
+                f = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, at:at + step]), format="fltp", layout="stereo")
+                f.sample_rate, f.pts = 48000, at
+                for packet in a.encode(f):
+                    out.mux(packet)
+            for packet in a.encode(None):
+                out.mux(packet)
+    return buf.getvalue()
+
+
 def model_config(model_dir, **overrides):
     """The tiny model as a deployment names it (float32 on the CPU: equivalence holds there)."""
     from services.runtime.config import ModelConfig
@@ -69,7 +102,8 @@ def load_hf(model_dir):
 
 @dataclass
 class Case:
-    """A conversation: [(role, [("text", str) | ("image", png) | ("audio", wav) | ("video", ([png], fps))])]."""
+    """A conversation: [(role, [("text", str) | ("image", png) | ("audio", wav) | ("video", ([png], fps))
+    | ("video_file", bytes)])]."""
     messages: list
 
     def request(self, speech: bool = False, max_tokens: int = 8, frames: int = 16, voice: str = "", greedy: bool = True,
@@ -84,6 +118,8 @@ class Case:
                     out.append(omni_pb2.Part(image=omni_pb2.Image(data=value)))
                 elif kind == "audio":
                     out.append(omni_pb2.Part(audio=omni_pb2.Audio(file=value)))
+                elif kind == "video_file":
+                    out.append(omni_pb2.Part(video=omni_pb2.Video(file=value)))
                 else:
                     frames_, fps = value
                     out.append(omni_pb2.Part(video=omni_pb2.Video(frames=[omni_pb2.Image(data=f) for f in frames_], fps=fps)))
@@ -126,13 +162,15 @@ class Reference:
         for role, parts in case.messages:
             content = []
             for kind, value in parts:
-                content.append({"type": "text", "text": value} if kind == "text" else {"type": kind})
+                content.append({"type": "text", "text": value} if kind == "text" else {"type": kind.removesuffix("_file")})
                 if kind == "image":
                     images.append(Image.open(io.BytesIO(value)).convert("RGB"))
                 elif kind == "audio":
                     audios.append(sf.read(io.BytesIO(value), dtype="float32")[0])
                 elif kind == "video":
                     videos.append(self.pre.video(*value))
+                elif kind == "video_file":  # its frames are held to transformers' in tests/preprocess/test_video_in.py
+                    videos.append(self.pre.video_file(value, 0.0))
             messages.append({"role": role, "content": content})
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         kw = {}

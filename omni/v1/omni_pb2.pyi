@@ -91,12 +91,14 @@ class Audio(_message.Message):
     def __init__(self, file: _Optional[bytes] = ..., pcm: _Optional[_Union[RawPcm, _Mapping]] = ...) -> None: ...
 
 class Video(_message.Message):
-    __slots__ = ("frames", "fps")
+    __slots__ = ("frames", "fps", "file")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
     frames: _containers.RepeatedCompositeFieldContainer[Image]
     fps: float
-    def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., fps: _Optional[float] = ...) -> None: ...
+    file: bytes
+    def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., fps: _Optional[float] = ..., file: _Optional[bytes] = ...) -> None: ...
 
 class Part(_message.Message):
     __slots__ = ("text", "image", "audio", "video")

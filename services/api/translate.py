@@ -81,11 +81,7 @@ async def _user_parts(content, where: str, fetcher: Fetcher | None) -> list[P.Pa
         elif p.type == "input_audio":  # the format is the file's own business: its bytes are probed
             parts.append(P.Part(audio=P.Audio(file=b64(p.input_audio.data, f"{at}.input_audio.data"))))
         else:
-            data = await media(p.video_url.url, f"{at}.video_url.url", fetcher)
-            if "file" not in P.Video.DESCRIPTOR.fields_by_name:
-                raise unsupported(f"{at}.video_url", "video files cannot be decoded yet: the gRPC API's Video takes "
-                                  "only frames (omni.v1.Video.frames), which OpenAI's message parts cannot carry")
-            parts.append(P.Part(video=P.Video(file=data)))
+            parts.append(P.Part(video=P.Video(file=await media(p.video_url.url, f"{at}.video_url.url", fetcher))))
     return parts
 
 

@@ -14,7 +14,7 @@ EXPECTED = "WAV, MP3, FLAC, Ogg, WebM or M4A"
 DEMUXERS = "wav,mp3,flac,ogg,matroska,webm,mov,mp4,m4a"
 
 
-def _header_seconds(container, stream) -> float | None:
+def header_seconds(container, stream) -> float | None:
     if stream.duration is not None and stream.time_base:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
@@ -22,7 +22,7 @@ def _header_seconds(container, stream) -> float | None:
     return None
 
 
-def _words(e: av.FFmpegError) -> str:
+def ffmpeg_words(e: av.FFmpegError) -> str:
     """FFmpeg's own words for an error, without the errno and file name PyAV wraps them in."""
     return e.strerror or str(e)
 
@@ -42,6 +42,26 @@ def resample(pcm: np.ndarray, rate: int, to: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
+def to_mono(frames, rate: int, max_seconds: float, where: str) -> np.ndarray:
+    """Decoded audio frames -> mono float32 samples at `rate`, refused once past `max_seconds` (a header that
+    understates its length is caught here); FFmpeg's errors pass through."""
+    # Planar float at the model's rate, every channel kept: averaged below, the same mono as RawPcm's.
+    resampler = av.AudioResampler(format="fltp", rate=rate)
+    limit = int(max_seconds * rate) + rate
+    parts, samples = [], 0
+    try:
+        for frame in frames:
+            for out in resampler.resample(frame):
+                parts.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
+                samples += out.samples
+            if samples > limit:
+                raise ResourceExhausted(f"{where}: more than {max_seconds:.0f} s of audio is over the limit")
+        parts += [out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(None)]
+    except ValueError as e:  # the resampler refuses a stream whose layout or rate changes midway
+        raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
 def decode_file(data: bytes, rate: int, max_seconds: float, where: str, check=None) -> np.ndarray:
     """An audio file's first audio stream -> mono float32 samples at `rate`; `check(seconds, where)` raises for a
     duration refused for other reasons (the context), from the header before decoding and after it."""
@@ -50,33 +70,20 @@ def decode_file(data: bytes, rate: int, max_seconds: float, where: str, check=No
     try:
         container = av.open(io.BytesIO(data), mode="r", options={"format_whitelist": DEMUXERS})
     except av.FFmpegError as e:
-        raise InvalidArgument(f"{where}: cannot decode audio ({EXPECTED} expected): {_words(e)}") from None
+        raise InvalidArgument(f"{where}: cannot decode audio ({EXPECTED} expected): {ffmpeg_words(e)}") from None
     with container:
         if not container.streams.audio:
             raise InvalidArgument(f"{where}: the {container.format.long_name} file has no audio stream")
         stream = container.streams.audio[0]
-        seconds = _header_seconds(container, stream)
+        seconds = header_seconds(container, stream)
         if seconds is not None and seconds > max_seconds:
             raise too_long(seconds, max_seconds, where)
         if seconds is not None and check is not None:
             check(seconds, where)
-        # Planar float at the model's rate, every channel kept: averaged below, the same mono as RawPcm's.
-        resampler = av.AudioResampler(format="fltp", rate=rate)
-        limit = int(max_seconds * rate) + rate  # a header that understates its length is caught while decoding
-        parts, samples = [], 0
         try:
-            for frame in container.decode(stream):
-                for out in resampler.resample(frame):
-                    parts.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
-                    samples += out.samples
-                if samples > limit:
-                    raise ResourceExhausted(f"{where}: more than {max_seconds:.0f} s of audio is over the limit")
-            parts += [out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(None)]
+            pcm = to_mono(container.decode(stream), rate, max_seconds, where)
         except av.FFmpegError as e:
-            raise InvalidArgument(f"{where}: cannot decode audio: {_words(e)}") from None
-        except ValueError as e:  # the resampler refuses a stream whose layout or rate changes midway
-            raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
-    pcm = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+            raise InvalidArgument(f"{where}: cannot decode audio: {ffmpeg_words(e)}") from None
     if len(pcm) == 0:
         raise InvalidArgument(f"{where}: audio has no samples")
     if len(pcm) > max_seconds * rate:

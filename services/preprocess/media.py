@@ -16,13 +16,16 @@ from PIL import Image
 
 from services.model.spec import audio_tokens
 from services.preprocess.audio_in import decode_file, resample, too_long
+from services.preprocess.video_in import SAMPLE_FPS, decode_video
 from services.runtime.config import Limits
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
 IMAGE_FORMATS = {"PNG", "JPEG", "WEBP"}
 SAMPLE_RATE = 16000
-# transformers' Qwen3-Omni video defaults
+# transformers' Qwen3-Omni video defaults (Qwen3OmniMoeProcessorKwargs)
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
+# transformers' Qwen2VLVideoProcessor max_video_tokens: a whole video's pixel budget is 90% of this many tokens'
+VIDEO_MAX_TOKENS = 128000
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Features:
     grid_thw: tuple[int, int, int] | None = None
     feature_length: int = 0
     second_per_grid: float = 0.0
+    soundtrack: np.ndarray | None = None  # a video file's sound, mono float32 at SAMPLE_RATE, for use_audio_in_video
 
 
 def open_image(data: bytes, limits: Limits, where: str, fits=None) -> Image.Image:
@@ -80,20 +84,24 @@ class Preprocessor:
         # The longest audio whose tokens fit the context (mel frames are 100 a second)
         self.context_seconds = context_seconds(context, n_window) if context else float("inf")
 
-    def _resized(self, w: int, h: int, where: str, video: bool = False) -> tuple[int, int]:
-        """(height, width) the processor resizes a `w` x `h` image or video frame to."""
+    def _resized(self, w: int, h: int, where: str, frames: int = 0) -> tuple[int, int]:
+        """(height, width) the processor resizes a `w` x `h` image, or a frame of a video of `frames`, to."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         ip = self.images
-        lo, hi = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS) if video else (ip.size["shortest_edge"], ip.size["longest_edge"])
+        factor = ip.patch_size * self.merge
+        lo, hi = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS) if frames else (ip.size["shortest_edge"], ip.size["longest_edge"])
+        if frames:  # each frame's even share of the video's budget, as Qwen2VLVideoProcessor.resize(cap_pixels_per_frame)
+            total = int(VIDEO_MAX_TOKENS * factor * factor * 0.9)
+            hi = max(min(hi, total * ip.temporal_patch_size // frames), int(lo * 1.05))
         try:
-            return smart_resize(h, w, factor=ip.patch_size * self.merge, min_pixels=lo, max_pixels=hi)
+            return smart_resize(h, w, factor=factor, min_pixels=lo, max_pixels=hi)
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}") from None
 
     def _check_tokens(self, w: int, h: int, frames: int, where: str) -> None:
         """Refuses, from the header, an image or video whose tokens alone are past the context."""
-        rh, rw = self._resized(w, h, where, video=frames > 0)
+        rh, rw = self._resized(w, h, where, frames)
         t = max(1, -(-frames // self.images.temporal_patch_size))
         tokens = t * rh * rw // (self.images.patch_size * self.merge) ** 2
         if self.context and tokens > self.context:
@@ -125,20 +133,38 @@ class Preprocessor:
             raise InvalidArgument(f"{where}: a video needs at least one frame")
         if len(frames) > self.limits.max_video_frames:
             raise ResourceExhausted(f"{where}: {len(frames)} frames is over the limit of {self.limits.max_video_frames}")
-        fps = fps or 1.0
-        if not 0 < fps <= 60:
-            raise InvalidArgument(f"{where}: fps must be in (0, 60], got {fps}")
-        ip = self.images
+        fps = self._fps(fps, 1.0, where)
         first = open_image(frames[0], self.limits, f"{where} frame 0", lambda w, h: self._check_tokens(w, h, len(frames), where))
         imgs = [first] + [open_image(f, self.limits, f"{where} frame {i}") for i, f in enumerate(frames[1:], 1)]
         if len({im.size for im in imgs}) != 1:
             raise InvalidArgument(f"{where}: all frames must have the same size")
+        return self._video(imgs, fps, where)
+
+    def video_file(self, data: bytes, fps: float, where: str = "video") -> Features:
+        """A file's frames sampled at `fps` (default Qwen's 2.0) as Qwen's video processor samples them, then
+        resized and patched as frames are; its soundtrack decoded as audio files are."""
+        fps = self._fps(fps, SAMPLE_FPS, where)
+        clip = decode_video(data, self.limits, where, fps, self.images.temporal_patch_size, SAMPLE_RATE,
+                            lambda w, h, n: self._check_tokens(w, h, n, where))
+        out = self._video([Image.fromarray(f) for f in clip.frames], clip.fps, where)
+        out.soundtrack = clip.audio
+        return out
+
+    @staticmethod
+    def _fps(fps: float, default: float, where: str) -> float:
+        fps = fps or default
+        if not 0 < fps <= 60:
+            raise InvalidArgument(f"{where}: fps must be in (0, 60], got {fps}")
+        return fps
+
+    def _video(self, imgs: list[Image.Image], fps: float, where: str) -> Features:
+        """Frames of one size at `fps` -> the processor's patches, each frame resized as it resizes them."""
         w, h = imgs[0].size
-        rh, rw = self._resized(w, h, where, video=True)
+        rh, rw = self._resized(w, h, where, len(imgs))
         pixels = np.stack([np.asarray(im.resize((rw, rh), Image.BICUBIC)) for im in imgs]).transpose(0, 3, 1, 2)  # [T, C, H, W] uint8
         patches, (gt, gh, gw) = self._patches(pixels)
         return Features("video", patches, gt * gh * gw // self.merge**2, (gt, gh, gw),
-                        second_per_grid=ip.temporal_patch_size / fps)
+                        second_per_grid=self.images.temporal_patch_size / fps)
 
     def audio_file(self, data: bytes, where: str = "audio") -> Features:
         pcm = decode_file(data, SAMPLE_RATE, self.limits.max_audio_seconds, where, self._check_context)

@@ -39,7 +39,10 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Fe
     if kind == "image":
         return pre.image(item.image.data, where)
     if kind == "video":
-        return pre.video([f.data for f in item.video.frames], item.video.fps, where)
+        v = item.video
+        if v.file and v.frames:
+            raise InvalidArgument(f"{where}: a video has either frames or a file, not both")
+        return pre.video_file(v.file, v.fps, where) if v.file else pre.video([f.data for f in v.frames], v.fps, where)
     if kind == "audio":
         source = item.audio.WhichOneof("source")
         if source == "file":

@@ -69,15 +69,15 @@ class ModelConfig:
 @dataclass
 class Limits:
     max_request_bytes: int = 64 << 20
-    """Largest request the gateway accepts."""
+    """Largest request the gateway accepts; also of one video file."""
     max_media_items: int = 16
     """Images, clips and videos in one request."""
     max_image_pixels: int = 12_845_056
-    """Pixels of one image, read from its header before it is decoded."""
+    """Pixels of one image or video frame, read from its header before it is decoded."""
     max_audio_seconds: float = 600.0
-    """Duration of one clip."""
+    """Duration of one audio clip or video file."""
     max_video_frames: int = 128
-    """Frames of one video."""
+    """Frames of one video: as sent, or as sampled from its file."""
     max_new_tokens: int = 8192
     """Text tokens one request may generate; also its default."""
     max_talker_frames: int = 8192

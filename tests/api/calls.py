@@ -10,7 +10,7 @@ ROLE = {omni_pb2.ROLE_SYSTEM: "system", omni_pb2.ROLE_USER: "user", omni_pb2.ROL
 
 
 def as_chat(req: omni_pb2.GenerateRequest, model: str = "tiny", audio_format: str = "pcm16") -> dict:
-    """The OpenAI body of `req` (text, image and audio-file parts; both samplings), token ids asked back."""
+    """The OpenAI body of `req` (text, image, audio-file and video-file parts; both samplings), token ids asked back."""
     messages = []
     for m in req.messages:
         parts = []
@@ -22,6 +22,8 @@ def as_chat(req: omni_pb2.GenerateRequest, model: str = "tiny", audio_format: st
                 parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(p.image.data).decode()}})
             elif kind == "audio":
                 parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(p.audio.file).decode(), "format": "wav"}})
+            elif kind == "video" and p.video.file:
+                parts.append({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(p.video.file).decode()}})
             else:
                 raise ValueError(f"no OpenAI form for a {kind} part")
         messages.append({"role": ROLE[m.role], "content": parts})

@@ -1,5 +1,5 @@
 """Chat completions through the HTTP door with the official openai client, against the same requests through gRPC:
-the same tokens (greedy and seeded), every turn kept as a turn, image and audio parts, 16 streams at once."""
+the same tokens (greedy and seeded), every turn kept as a turn, image, audio and video-file parts, 16 streams at once."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,7 +10,7 @@ from api.calls import as_chat, read_stream
 from api.test_audio_in import MADE, transcode
 from client_util import generate
 from omni.v1 import omni_pb2
-from references import Case, png, wav
+from references import Case, png, video_file, wav
 
 OPENAI_PARAMS = {"model", "messages", "temperature", "top_p", "max_tokens", "seed", "stop", "modalities", "audio", "stream",
                  "stream_options"}
@@ -110,12 +110,10 @@ def test_input_audio_in_every_listed_format(mesh, client, fmt):
     assert r.choices[0].model_extra["token_ids"] == generate(mesh.gateway_address, req).token_ids
 
 
-def test_a_video_part_is_refused_naming_the_limitation(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        create(client, {"model": "tiny", "messages": [{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, {"type": "text", "text": "?"}]}]})
-    assert e.value.body["param"] == "messages[0].content[0].video_url"
-    assert "video files cannot be decoded yet" in e.value.body["message"] and "omni.v1.Video.frames" in e.value.body["message"]
+def test_a_video_url_data_url_is_the_grpc_video_file(mesh, client):
+    req = Case([("user", [("video_file", video_file(2, 64, 48, sound="aac")), ("text", "What happens?")])]).request(max_tokens=8)
+    r = create(client, as_chat(req))
+    assert r.choices[0].model_extra["token_ids"] == generate(mesh.gateway_address, req).token_ids
 
 
 def test_16_concurrent_streams(mesh, client):

@@ -26,7 +26,9 @@ from bad_requests import bad_requests
 # The gRPC API's bad-input cases (tests/bad_requests.py) an OpenAI body can carry.
 SAME_MESSAGE = ["corrupt image", "truncated image", "unsupported image format", "image too thin", "decompression bomb",
                 "corrupt audio", "truncated audio", "audio too long", "too many media", "reserved token in text",
-                "unknown voice", "max tokens over limit", "past the context", "bad top_p", "text past the context"]
+                "unknown voice", "max tokens over limit", "past the context", "bad top_p", "text past the context",
+                "corrupt video file", "truncated webm file", "unsupported video codec", "video file too long",
+                "video file frames", "video frame pixels"]
 
 
 def chat_body(**extra) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from client_util import generate
 from omni.v1 import omni_pb2, omni_pb2_grpc
-from references import Case, Reference, png, wav
+from references import Case, Reference, png, video_file, wav
 
 # Waveform tolerance where every chunk had its full left context: float32 rounding plus PCM16 quantisation.
 WAVE_ATOL = 5e-4
@@ -18,14 +18,15 @@ CASES = {
     "image": Case([("user", [("image", png(1)), ("text", "What is in this picture?")])]),
     "audio": Case([("user", [("audio", wav(2, 1.5)), ("text", "What do you hear?")])]),
     "video": Case([("user", [("video", ([png(10 + i, 64, 64) for i in range(3)], 2.0)), ("text", "What happens?")])]),
+    "video file": Case([("user", [("video_file", video_file(2, 64, 48, sound="aac")), ("text", "What happens?")])]),
     "mixed": Case([
         ("system", [("text", "You are terse.")]),
         ("user", [("text", "Look:"), ("image", png(3, 96, 64)), ("audio", wav(4, 1.0)), ("text", "and compare.")]),
     ]),
 }
-# (case, speech): t2t, i2t, s2t, video in; t2s, i2s, s2s; and everything at once.
+# (case, speech): t2t, i2t, s2t, video (frames, a file) in; t2s, i2s, s2s; and everything at once.
 PATHS = {
-    "t2t": ("text", False), "i2t": ("image", False), "s2t": ("audio", False), "v2t": ("video", False),
+    "t2t": ("text", False), "i2t": ("image", False), "s2t": ("audio", False), "v2t": ("video", False), "vf2t": ("video file", False),
     "t2s": ("text", True), "i2s": ("image", True), "s2s": ("audio", True), "mixed2s": ("mixed", True),
 }
 

@@ -355,3 +355,25 @@ def test_error_texts_carry_no_python_reprs(native_mesh):
         assert err is not None and err.code() == cases[name][1], name
         for repr_mark in ("object at 0x", "[Errno", "'", "Error:"):
             assert repr_mark not in err.details(), f"{name}: {err.details()}"
+
+
+def test_damaged_video_files_are_refused_and_the_preprocess_stage_keeps_serving(native_mesh):
+    """Bytes of a good MP4 and WebM overwritten at random places: each refused as INVALID_ARGUMENT (or, where the damage
+    misses what the decoder reads, served), never a crash or a hang; a good file is served after them."""
+    from references import video_file
+
+    good = {m: video_file(1, 64, 48, m, c, sound=a) for m, c, a in (("mp4", "libx264", "aac"), ("webm", "libvpx-vp9", "libopus"))}
+    rng = np.random.default_rng(0)
+    damaged = []
+    for data in good.values():
+        for _ in range(6):
+            b = bytearray(data)
+            at = int(rng.integers(0, len(b) - 64))
+            b[at:at + 64] = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
+            damaged.append(bytes(b))
+    with ThreadPoolExecutor(4) as pool:
+        errors = list(pool.map(lambda d: error_of(native_mesh.gateway_address, user(("video_file", d), ("text", "x")).request(max_tokens=2), timeout=60), damaged))
+    for err in errors:
+        assert err is None or (err.code() == INVALID and "media item 0: " in err.details()), err
+    ok = generate(native_mesh.gateway_address, user(("video_file", good["mp4"]), ("text", "x")).request(max_tokens=2))
+    assert len(ok.token_ids) > 0

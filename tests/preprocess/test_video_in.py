@@ -1,0 +1,150 @@
+"""Video files in, through PyAV (services/preprocess/video_in.py): the frames Qwen's video processor samples, resized
+and patched to transformers' pixels; the soundtrack at 16 kHz mono, the samples the same file gives as audio; every
+limit and every bad file refused by item, before the file is decoded."""
+
+import ast
+import io
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from api.test_audio_in import transcode
+from references import video_file, wav
+from services.preprocess.audio_in import decode_file
+from services.preprocess.media import PixelNorm, Preprocessor
+from services.preprocess.video_in import sample_indices
+from services.runtime.config import Limits
+from services.runtime.errors import InvalidArgument, ResourceExhausted
+
+# (muxer, video encoder, audio encoder or "") of each clip: 2 s of 160x120 at 25 fps.
+CLIPS = {"mp4 h264": ("mp4", "libx264", ""), "mp4 h264 aac": ("mp4", "libx264", "aac"),
+         "webm vp9": ("webm", "libvpx-vp9", ""), "webm vp9 opus": ("webm", "libvpx-vp9", "libopus"),
+         "mkv av1": ("matroska", "libsvtav1", ""), "mov h264 aac": ("mov", "libx264", "aac")}
+# Both sides resize the same uint8 frames with PIL's bicubic filter, then rescale and normalise in float32.
+PIXEL_ATOL = 1e-6
+
+
+def transformers_sample_frames():
+    """Qwen2VLVideoProcessor.sample_frames and its class defaults, compiled from transformers' own file: the module
+    imports torchvision, which the services do not need."""
+    import transformers
+    from transformers.video_utils import VideoMetadata
+
+    path = Path(transformers.__file__).parent / "models" / "qwen2_vl" / "video_processing_qwen2_vl.py"
+    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Qwen2VLVideoProcessor")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "sample_frames")
+    defaults = {a.targets[0].id: ast.literal_eval(a.value) for a in cls.body if isinstance(a, ast.Assign)
+                and a.targets[0].id in ("temporal_patch_size", "min_frames", "max_frames")}
+    ns = {"math": math, "torch": torch, "VideoMetadata": VideoMetadata}
+    exec(compile(ast.Module([fn], []), str(path), "exec"), ns)
+    owner = SimpleNamespace(num_frames=None, fps=None, **defaults)
+    return lambda total, video_fps, fps: ns["sample_frames"](owner, VideoMetadata(total_num_frames=total, fps=video_fps), fps=fps)
+
+
+def reference_pixels(model_dir, data: bytes, fps: float = 2.0) -> np.ndarray:
+    """Every frame decoded, sampled by transformers' sample_frames, each made pixels by transformers' image processor at
+    Qwen3-Omni's video sizes: [frames, patches, C, P*P] float32."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessorKwargs
+
+    with av.open(io.BytesIO(data)) as c:
+        rate = float(c.streams.video[0].average_rate)
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    keep = transformers_sample_frames()(len(frames), rate, fps)
+    ip = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    size = Qwen3OmniMoeProcessorKwargs._defaults["videos_kwargs"]["size"]
+    out = ip(images=[Image.fromarray(frames[i]) for i in keep], size=size, return_tensors="np")["pixel_values"]
+    c, t, p = 3, ip.temporal_patch_size, ip.patch_size
+    return out.reshape(len(keep), -1, c, t, p * p)[:, :, :, 0]  # one image is its frame repeated t times
+
+
+@pytest.fixture(scope="module")
+def pre(tiny_model) -> Preprocessor:
+    return Preprocessor(tiny_model, Limits(max_request_bytes=1 << 20, max_audio_seconds=20, max_video_frames=8,
+                                           max_image_pixels=1 << 20))
+
+
+@pytest.fixture(scope="module")
+def clips() -> dict[str, bytes]:
+    return {name: video_file(muxer=m, codec=v, sound=a) for name, (m, v, a) in CLIPS.items()}
+
+
+@pytest.mark.parametrize("name", list(CLIPS))
+def test_frames_are_transformers_pixels(tiny_model, pre, clips, name):
+    got = pre.video_file(clips[name], 0.0, "media item 0")
+    ref = reference_pixels(tiny_model, clips[name])
+    gt, gh, gw = got.grid_thw
+    assert gt * 2 == len(ref) == 4 and gh * gw == ref.shape[1]  # 2 s sampled at 2 fps
+    assert got.num_tokens == gt * gh * gw // 4 and got.second_per_grid == pytest.approx(1.0)
+    ours = PixelNorm(tiny_model)(torch.from_numpy(got.values), torch.float32).numpy()
+    ours = ours.reshape(gt, gh * gw, 3, 2, -1).transpose(0, 3, 1, 2, 4).reshape(ref.shape)  # [frames, patches, C, P*P]
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=PIXEL_ATOL)
+
+
+def test_sampling_is_transformers_at_many_lengths():
+    ref = transformers_sample_frames()
+    for total, rate, fps in [(50, 25.0, 2.0), (7, 30.0, 2.0), (3, 1.0, 2.0), (2000, 29.97, 2.0), (90, 30.0, 0.5), (61, 24.0, 5.0)]:
+        assert sample_indices(total, rate, fps, 2).tolist() == ref(total, rate, fps).tolist(), (total, rate, fps)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, a) in CLIPS.items() if a])
+def test_soundtrack_is_16k_mono_as_the_file_decodes_as_audio(pre, clips, name):
+    got = pre.video_file(clips[name], 0.0).soundtrack
+    assert got.dtype == np.float32 and got.ndim == 1
+    assert abs(len(got) - 2 * 16000) <= 0.01 * 16000  # the encoder's priming and padding, a few ms
+    np.testing.assert_array_equal(got, decode_file(clips[name], 16000, 20, "audio"))
+
+
+def test_a_silent_clip_has_no_soundtrack(pre, clips):
+    assert pre.video_file(clips["webm vp9"], 0.0).soundtrack is None
+
+
+def test_fps_samples_the_file(pre, clips):
+    assert pre.video_file(clips["mp4 h264"], 4.0).grid_thw[0] == 4  # 8 frames of 2 s
+    with pytest.raises(InvalidArgument, match="media item 0: fps must be in"):
+        pre.video_file(clips["mp4 h264"], 100.0, "media item 0")
+
+
+def cut(data: bytes, fraction: float) -> bytes:
+    return data[: int(len(data) * fraction)]
+
+
+BAD = {  # name -> (file, error, words)
+    "empty": (lambda: b"", InvalidArgument, "media item 1: empty video file"),
+    "file bytes": (lambda: bytes(2 << 20), ResourceExhausted, "video file of 2097152 bytes is over the limit of 1048576"),
+    "not a video": (lambda: b"RIFF" + bytes(300), InvalidArgument, "cannot decode video (MP4, MOV, MKV or WebM expected)"),
+    "playlist": (lambda: b"#EXTM3U\n#EXTINF:1,\nfile:///etc/passwd\n", InvalidArgument, "cannot decode video"),
+    "corrupt": (lambda: (d := video_file())[:2000] + bytes(3000) + d[5000:], InvalidArgument, "cannot decode video"),
+    "truncated mp4": (lambda: cut(video_file(), 0.5), InvalidArgument, "cannot decode video"),
+    "truncated webm": (lambda: cut(video_file(muxer="webm", codec="libvpx-vp9"), 0.5), InvalidArgument,
+                       "the video file is truncated: its header says 2.0 s, its frames stop at 0.7 s"),
+    "unsupported codec": (lambda: video_file(codec="mpeg4"), InvalidArgument,
+                          "video codec mpeg4 is not supported (H.264, HEVC, VP8, VP9, AV1)"),
+    "no video stream": (lambda: transcode(wav(1), "webm", "libopus"), InvalidArgument, "the Matroska / WebM file has no video stream"),
+    "one frame": (lambda: video_file(0.04), InvalidArgument, "a video needs at least 2 frames, the file has 1"),
+    "pixels per frame": (lambda: video_file(0.2, 1280, 1024), ResourceExhausted,
+                         "video frames of 1280x1024 = 1310720 pixels are over the limit of 1048576"),
+    "duration": (lambda: video_file(25, 32, 32, rate=2), ResourceExhausted, "25.0 s of video is over the limit of 20 s"),
+    "frames after sampling": (lambda: video_file(6, 32, 32, rate=5), ResourceExhausted,
+                              "12 frames sampled at 2 fps is over the limit of 8"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_files_are_refused_by_item(pre, name):
+    make, error, words = BAD[name]
+    with pytest.raises(error) as e:
+        pre.video_file(make(), 0.0, "media item 1")
+    assert "media item 1: " in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_tokens_past_the_context_are_refused_before_decoding(tiny_model):
+    small = Preprocessor(tiny_model, Limits(), context=100)
+    with pytest.raises(InvalidArgument, match="media item 0: 160x120 makes 280 tokens, more than the context of 100"):
+        small.video_file(video_file(), 0.0, "media item 0")
