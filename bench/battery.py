@@ -3,6 +3,7 @@ how fast refusals come, admitted requests' TTFT and TTFA against unloaded), each
 timed, and a soak's slopes.
 
     python -m bench.battery --config configs/local.yaml --out .cache/battery.json [--overload 5] [--soak-minutes 2]
+        [--phases overload,kill,soak] [--log-dir DIR]
 """
 
 import argparse
@@ -139,11 +140,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="each capacity and overload run")
     parser.add_argument("--overload", type=float, default=5.0, help="the offered rate, in multiples of capacity")
     parser.add_argument("--soak-minutes", type=float, default=2.0)
+    parser.add_argument("--phases", default="overload,kill,soak", help="which of overload, kill and soak to run")
+    parser.add_argument("--log-dir", default=None, help="the stages' logs (default .cache/logs)")
     args = parser.parse_args()
+    phases = set(args.phases.split(","))
+    if phases - {"overload", "kill", "soak"}:
+        raise SystemExit(f"--phases: unknown {sorted(phases - {'overload', 'kill', 'soak'})}; known: overload, kill, soak")
     out: dict = {"config": args.config, "overload": args.overload, "deadline_s": DEADLINE_S, "workloads": {}}
     stages = tuple(s for s in MeshConfig.STAGES if s not in MeshConfig.HTTP_STAGES)
-    with Mesh(args.config, stages=stages, supervise=True) as mesh:
-        for name in args.workloads.split(","):
+    with Mesh(args.config, args.log_dir, stages=stages, supervise=True) as mesh:
+        for name in args.workloads.split(",") if "overload" in phases else ():
             unloaded = summary(asyncio.run(closed_loop(mesh.gateway_address, name, 1, args.seconds / 3)), args.seconds / 3)
             capacity = summary(asyncio.run(closed_loop(mesh.gateway_address, name, args.concurrency, args.seconds)), args.seconds)
             rate = args.overload * capacity["goodput_rps"]
@@ -151,9 +157,10 @@ def main() -> None:
             over["recovery_s"] = asyncio.run(recovery(mesh.gateway_address, name, unloaded["latency_p99"] or 1.0))
             out["workloads"][name] = {"unloaded": unloaded, "capacity": capacity, "offered_rps": rate, "overload": over}
             print(name, json.dumps(out["workloads"][name]))
-        out["kill"] = kill_and_recover(mesh, args.workloads.split(",")[-1])
-        print("kill", json.dumps(out["kill"]))
-        if args.soak_minutes > 0:
+        if "kill" in phases:
+            out["kill"] = kill_and_recover(mesh, args.workloads.split(",")[-1])
+            print("kill", json.dumps(out["kill"]))
+        if "soak" in phases and args.soak_minutes > 0:
             s = soak.run(mesh.gateway_address, {n: p.pid for n, p in mesh.procs.items()}, 60 + args.soak_minutes * 60)
             out["soak"] = {"minutes": args.soak_minutes, "served": s.ok, "failures": s.failures[:20],
                            "slopes_per_min": soak.slopes(s, 60)}

@@ -1,6 +1,7 @@
 """Admission control: how many requests a stage holds and how many may wait for it, sized from what its engine
-holds; a request that cannot start in time (a full queue, or a deadline shorter than the estimated wait) is
-refused at once with RESOURCE_EXHAUSTED and a retry hint, instead of waiting out its deadline."""
+holds; a request that would have to wait and could not finish in time (a full queue, or a deadline shorter than the
+estimated wait plus a mean hold) is refused at once with RESOURCE_EXHAUSTED and a retry hint, instead of failing
+at its deadline."""
 
 import asyncio
 import math
@@ -85,7 +86,7 @@ class Overloaded(ResourceExhausted):
 
 
 class Limit:
-    """`slots` requests at once and `bound` more waiting; refuses what cannot start before its deadline."""
+    """`slots` requests at once and `bound` more waiting; refuses a waiter that cannot finish before its deadline."""
 
     def __init__(self, what: str, n_slots: int, bound: int | None = None):
         self.what, self.slots = what, n_slots
@@ -106,9 +107,12 @@ class Limit:
         if queued + running >= self.slots + self.bound:
             raise Overloaded(f"{self.what} is at capacity: {running} requests running and {queued} waiting; retry "
                              f"in {wait:.2f} s", wait)
-        if left is not None and self.wait(queued, running) > left:
-            raise Overloaded(f"{self.what} cannot start this request before its deadline: the estimated wait is "
-                             f"{wait:.2f} s, {max(left, 0.0):.2f} s are left", wait)
+        if left is None or not self.wait(queued, running):
+            return  # a free slot: it starts at once, whatever it will take
+        if wait + self.mean_hold > left:  # admitted, it would only slow the others and fail at its deadline
+            raise Overloaded(f"{self.what} cannot finish this request before its deadline: the estimated wait is "
+                             f"{wait:.2f} s and a request holds a slot {self.mean_hold:.2f} s, {max(left, 0.0):.2f} s "
+                             f"are left", wait)
 
 
 class Gate(Limit):

@@ -94,7 +94,7 @@ class EngineWorker:
         self._thread.start()
 
     def submit(self, req) -> Handle:
-        """Queues `req` for the engine; refused (Overloaded) if the queue is full or it cannot start in time."""
+        """Queues `req` for the engine; refused (Overloaded) if the queue is full or it cannot finish in time."""
         handle = Handle(req, asyncio.get_running_loop(), self.notify)
         with self._cond:
             self.limit.check(len(self._new), len(self._active), admission.time_left())

@@ -26,14 +26,16 @@ def test_slots_come_from_the_batch_and_the_kv_cache():
     assert stage_slots(cfg, "encoder") == 16 + 8  # all the gateway admits for the thinkers: none refused behind
 
 
-def test_a_deadline_shorter_than_the_wait_is_refused_at_once():
+def test_a_waiter_that_cannot_finish_before_its_deadline_is_refused_at_once():
     limit = Limit("x", 2, 1)
     limit.held(1.0)
     limit.check(0, 1, 0.01)  # a free slot: no wait
+    limit.check(0, 1, 0.5)  # it starts at once, though it may not finish: its own deadline ends it
     limit.check(0, 2, 5.0)
     with pytest.raises(Overloaded, match="before its deadline") as e:
-        limit.check(0, 2, 0.2)  # half a hold (two slots) to wait, 0.2 s left
+        limit.check(0, 2, 1.2)  # half a hold (two slots) to wait and a hold, 1.2 s left
     assert e.value.retry_after == pytest.approx(0.5)
+    limit.check(0, 2, 1.6)
     with pytest.raises(Overloaded, match="at capacity"):
         limit.check(1, 2, None)
 
