@@ -19,6 +19,7 @@ from omni.stage.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 from omni.v1 import omni_pb2
 from services.model.spec import OmniSpec
 from services.preprocess.media import Features, Preprocessor
+from services.runtime import admission
 from services.runtime.config import Limits, MeshConfig
 from services.runtime.errors import InvalidArgument, OmniError, ResourceExhausted
 from services.runtime.metrics import rpc
@@ -88,8 +89,11 @@ def _prepare_in_worker(index: int, item: bytes) -> Features:
 
 
 class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
-    def __init__(self, pre: "Preprocessor | WorkerSetup", transport: Transport, workers: int):
+    def __init__(self, pre: "Preprocessor | WorkerSetup", transport: Transport, workers: int,
+                 slots: int = admission.UNSIZED_SLOTS):
+        """`slots`: calls decoded or waiting for a worker at once (admission.stage_slots); a bounded queue behind."""
         self.pre, self.transport, self.workers = pre, transport, workers
+        self.gate = admission.Gate("preprocess", slots)
         self.pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:
@@ -120,8 +124,9 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
     async def Process(self, request, context):
         if len(request.items) > self.pre.limits.max_media_items:
             raise ResourceExhausted(f"{len(request.items)} media items is over the limit of {self.pre.limits.max_media_items}")
-        t0 = time.perf_counter()
-        done = await asyncio.gather(*(self._run(i, it) for i, it in enumerate(request.items)))
+        async with self.gate.enter(admission.time_left()):
+            t0 = time.perf_counter()
+            done = await asyncio.gather(*(self._run(i, it) for i, it in enumerate(request.items)))
         reply = preprocess_pb2.PreprocessResponse(timings=timings(preprocess=time.perf_counter() - t0))
         for f in done:
             ref = self.transport.put(torch.from_numpy(f.values), request.placement)
@@ -147,7 +152,7 @@ async def build(cfg: MeshConfig, replica: int, server) -> Stage:
     spec = OmniSpec.load(cfg.model.dir)
     pre = WorkerSetup(cfg.model.dir, cfg.limits, spec.n_window, cfg.limits.max_context_tokens or spec.max_positions)
     transport = Transport(cfg.transport, f"preprocess{replica}")
-    servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers)
+    servicer = PreprocessServicer(pre, transport, cfg.preprocess.workers, admission.stage_slots(cfg, "preprocess"))
     await servicer.start()
     name = add_service(server, servicer, preprocess_pb2.DESCRIPTOR.services_by_name["Preprocess"])
 

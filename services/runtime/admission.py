@@ -46,8 +46,8 @@ def slots(section) -> int:
 
 
 def stage_slots(cfg, stage: str) -> int:
-    """An LM stage's slots; the encoder's, what the gateway admits for the thinkers it feeds, so that a request
-    admitted there is not refused behind them."""
+    """An LM stage's slots; a media stage's (preprocess, encoder), what the gateway admits for the thinkers it
+    feeds, so that a request admitted there is not refused behind them."""
     section = getattr(cfg, stage)
     if hasattr(section, "max_seqs"):
         return slots(section)

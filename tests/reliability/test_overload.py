@@ -182,6 +182,40 @@ def test_a_direct_call_past_a_stages_bound_is_refused(small):
     assert wait_until(lambda: idle(small), timeout=5.0, every=0.1)
 
 
+def test_a_direct_call_past_the_preprocess_bound_is_refused(small):
+    """Calls to a preprocess stage itself: what the gateway admits for the thinkers (decoding or waiting for the
+    worker) and a queue behind; past them refused at once with a hint, and the admitted ones all decoded."""
+    from omni.stage.v1 import preprocess_pb2, preprocess_pb2_grpc
+    from omni.v1 import omni_pb2
+    from references import wav
+    from services.runtime.admission import stage_slots
+
+    bound = stage_slots(small.cfg, "preprocess")
+    bound += queue_bound(bound)
+    clip = omni_pb2.Audio(file=wav(0, seconds=20.0))
+    req = preprocess_pb2.PreprocessRequest(request_id="direct", items=[preprocess_pb2.MediaItem(audio=clip)] * 3)
+
+    async def go():
+        async with grpc.aio.insecure_channel(small.cfg.preprocess.replicas[0].address) as ch:
+            stub = preprocess_pb2_grpc.PreprocessStub(ch)
+            t0 = time.perf_counter()
+
+            async def one():
+                try:
+                    await stub.Process(req, timeout=120)
+                    return grpc.StatusCode.OK, time.perf_counter() - t0, None
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), time.perf_counter() - t0, e
+
+            return await asyncio.gather(*(one() for _ in range(bound + 3)))
+
+    outcomes = asyncio.run(go())
+    refused = [o for o in outcomes if o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert [o[0] for o in outcomes].count(grpc.StatusCode.OK) == bound and len(refused) == 3, outcomes
+    assert all(s < 0.5 and retry_delay(e) is not None and "preprocess is at capacity" in e.details()
+               for _, s, e in refused), refused
+
+
 def test_a_client_that_stops_reading_stops_the_stages(small):
     """A speech stream whose client reads its first audio and then nothing: the talker stops producing long before
     the speech asked for, and the gateway holds a few outputs, not the whole answer (the text, a few bytes a token,
