@@ -1,15 +1,18 @@
 """The OpenAI-compatible HTTP app: /v1/models, /v1/chat/completions, /v1/audio/speech, /health and /metrics, each
-request translated into one call of the public gRPC API (the gateway stays the only orchestrator)."""
+request translated into one call of the public gRPC API (the gateway stays the only orchestrator); and a browser
+page at /."""
 
 import contextlib
 import json
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.staticfiles import StaticFiles
 
 from services.api import chat, speech
 from services.api.audio_store import AudioStore
@@ -23,6 +26,7 @@ from services.api.upstream import Gone, Upstream, next_event, unless_gone
 from services.runtime.config import MeshConfig
 
 OWNER = "omni-mesh"
+STATIC = Path(__file__).with_name("static")
 
 
 def max_body_bytes(cfg: MeshConfig) -> int:
@@ -86,16 +90,18 @@ def create_app(cfg: MeshConfig) -> FastAPI:
     async def prometheus():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": started, "owned_by": OWNER}
+    def model_card(info) -> dict:
+        """OpenAI's model object, and the voices the speech can take (an extension, read by the browser page)."""
+        return {"id": info.model, "object": "model", "created": started, "owned_by": OWNER,
+                "voices": list(info.voices), "default_voice": info.default_voice}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card((await upstream.info()).model)]}
+        return {"object": "list", "data": [model_card(await upstream.info())]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        return model_card((await upstream.model(model)).model)
+        return model_card(await upstream.model(model))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -118,6 +124,9 @@ def create_app(cfg: MeshConfig) -> FastAPI:
         call = upstream.generate(gen)
         first = await unless_gone(request, call, speech.first_audio(call))
         return speech.reply(req, first, call)
+
+    # The browser page: plain files, after every route so that none is shadowed
+    app.mount("/", StaticFiles(directory=STATIC, html=True), name="page")
 
     # Outermost first: every answer is counted, the refused ones too.
     app.add_middleware(Guard, keys=cfg.security.keys, max_body=max_body_bytes(cfg))
