@@ -19,9 +19,9 @@ from references import Case, native_thinker, png
 
 TEXT = Case([("user", [("text", "Tell me a story about a cat.")])])
 IMAGE = Case([("user", [("image", png(1)), ("text", "What is in this picture?")])])
-# A killed stage serves again this soon, with no one's help: about 10 s on a quiet pair of cores (its imports and
-# build), twice that where other meshes share them
-BACK_WITHIN_S = 30.0
+# A killed stage serves again this soon, with no one's help: its imports and build take about 10 s on a quiet pair
+# of cores
+BACK_WITHIN_S = 15.0
 # The request that needs each stage: text-only passes the gateway and thinker alone
 NEEDS = {"gateway": (TEXT, False), "preprocess": (IMAGE, False), "encoder": (IMAGE, False), "thinker": (TEXT, False),
          "talker": (TEXT, True)}
