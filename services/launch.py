@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.runtime.config import REPO_ROOT, MeshConfig, load_config, write_overridden
 from services.runtime.probe import stage_serving
-from services.runtime.transport import clean_stale_pools
+from services.runtime.shm import clean_stale_pools
 
 log = logging.getLogger("launch")
 

@@ -10,7 +10,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from omni.stage.v1 import tensor_pb2
-from services.runtime.transport import ShmPool
+from services.runtime.shm import ShmPool
 
 
 def _check_allocator() -> None:

@@ -11,7 +11,7 @@ from omni.stage.v1 import tensor_pb2
 from services.runtime import metrics
 from services.runtime.config import TransportConfig
 from services.runtime.errors import InvalidArgument
-from services.runtime import transport
+from services.runtime import shm, transport
 from services.runtime.transport import Transport
 
 HERE = tensor_pb2.Placement(shm_domain="local")
@@ -47,13 +47,13 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(transport, "time", c)
+    monkeypatch.setattr(shm, "time", c)
     return c
 
 
 @pytest.fixture
 def pair(no_inline, monkeypatch):
-    monkeypatch.setattr(transport, "MAX_SLOTS", 64)
+    monkeypatch.setattr(shm, "MAX_SLOTS", 64)
     cfg = TransportConfig(pool_bytes=1 << 20)
     producer, consumer = Transport(cfg, "testprod", reclaim_after_s=1.0), Transport(cfg, "testcons", reclaim_after_s=1.0)
     yield producer, consumer
@@ -141,7 +141,7 @@ def test_a_killed_consumer_leaves_no_slot_held(no_inline, clock):
 
 
 def test_a_full_pool_falls_back_to_inline_without_corruption(no_inline, monkeypatch):
-    monkeypatch.setattr(transport, "MAX_SLOTS", 4)
+    monkeypatch.setattr(shm, "MAX_SLOTS", 4)
     cfg = TransportConfig(pool_bytes=4096)
     producer, consumer = Transport(cfg, "small"), Transport(cfg, "smallc")
     try:
@@ -209,7 +209,7 @@ def test_many_transfers_between_processes_leave_the_pool_empty():
 def test_a_put_that_finds_no_room_frees_what_consumers_released_first(no_inline, monkeypatch):
     """Puts sweep their pool at most every SWEEP_EVERY_S; one that finds no room sweeps at once, so a slot a
     consumer just released serves it, and the gauges follow the pool."""
-    monkeypatch.setattr(transport, "MAX_SLOTS", 4)
+    monkeypatch.setattr(shm, "MAX_SLOTS", 4)
     cfg = TransportConfig(pool_bytes=4096)
     producer, consumer = Transport(cfg, "roomy"), Transport(cfg, "roomyc")
     try:
