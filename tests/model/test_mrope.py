@@ -9,6 +9,7 @@ import torch
 from services.model.positions import Layout, mrope_positions, tokens_from_config
 from services.model.load import load_config
 from services.model.spec import OmniSpec, audio_tokens
+from references import processor_expand
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -74,22 +75,6 @@ def _hf(tiny_model):
     return hf, lambda *a: Hf.get_rope_index(hf, *a)
 
 
-def _processor(tokenizer):
-    """transformers' own placeholder expansion (Qwen3OmniMoeProcessor.replace_multimodal_special_tokens), on a
-    stand-in that holds only what it reads: the processor itself needs torchvision (MODEL.md)."""
-    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
-
-    merge = types.SimpleNamespace(merge_size=2)
-    fake = types.SimpleNamespace(image_processor=merge, video_processor=merge, **{
-        k: getattr(tokenizer, k) for k in ("image_token", "audio_token", "video_token", "vision_bos_token",
-                                           "vision_eos_token", "audio_bos_token", "audio_eos_token")})
-
-    def expand(text, audio_lengths, grids, vgrids, spg, sound):
-        return Qwen3OmniMoeProcessor.replace_multimodal_special_tokens(
-            fake, [text], iter(audio_lengths), iter(np.array(grids)), iter(np.array(vgrids)), iter(spg), sound, 13.0, 2.0)[0]
-    return expand
-
-
 def _random_prompt(rng, kinds, tokenizer, spgs):
     """A chat-template-like text with media placeholders of random sizes -> (text, grids, vgrids, spg, mels, sound
     per video), each video's kind drawn from `kinds` ("video": plain, "sound": with its sound)."""
@@ -128,7 +113,7 @@ def test_videos_with_their_sound_match_the_processor_and_get_rope_index(tiny_mod
     from services.model.positions import audio_in_video_order
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    expand, (_, rope_index) = _processor(tokenizer), _hf(tiny_model)
+    expand, (_, rope_index) = processor_expand(tokenizer), _hf(tiny_model)
     tok = tokens_from_config(OmniSpec.load(tiny_model).thinker)
     rng = np.random.default_rng(seed)
     for _ in range(40):
@@ -163,7 +148,7 @@ def test_videos_with_and_without_sound_in_one_prompt(tiny_model, seed):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    expand, (_, rope_index) = _processor(tokenizer), _hf(tiny_model)
+    expand, (_, rope_index) = processor_expand(tokenizer), _hf(tiny_model)
     tok = tokens_from_config(OmniSpec.load(tiny_model).thinker)
     rng = np.random.default_rng(100 + seed)
     for _ in range(40):
@@ -203,7 +188,7 @@ def test_the_talkers_positions_are_get_rope_index_without_the_flag(tiny_model, s
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    expand, (_, rope_index) = _processor(tokenizer), _hf(tiny_model)
+    expand, (_, rope_index) = processor_expand(tokenizer), _hf(tiny_model)
     tok = tokens_from_config(OmniSpec.load(tiny_model).thinker)
     rng = np.random.default_rng(200 + seed)
     compared = 0
