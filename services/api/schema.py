@@ -45,6 +45,7 @@ class AudioPart(Strict):
 
 class VideoUrl(Strict):
     url: str
+    use_audio_in_video: bool = False  # the model hears the file's soundtrack too (omni.v1.Video.use_audio_in_video)
 
 
 class VideoPart(Strict):

@@ -81,7 +81,8 @@ async def _user_parts(content, where: str, fetcher: Fetcher | None) -> list[P.Pa
         elif p.type == "input_audio":  # the format is the file's own business: its bytes are probed
             parts.append(P.Part(audio=P.Audio(file=b64(p.input_audio.data, f"{at}.input_audio.data"))))
         else:
-            parts.append(P.Part(video=P.Video(file=await media(p.video_url.url, f"{at}.video_url.url", fetcher))))
+            parts.append(P.Part(video=P.Video(file=await media(p.video_url.url, f"{at}.video_url.url", fetcher),
+                                              use_audio_in_video=p.video_url.use_audio_in_video)))
     return parts
 
 
