@@ -101,26 +101,12 @@ def load_hf(model_dir):
 
 
 def processor_expand(tokenizer, merge: int = 2):
-    """transformers' own placeholder expansion (Qwen3OmniMoeProcessor.replace_multimodal_special_tokens) on a
-    stand-in holding what it reads (the processor itself needs torchvision, MODEL.md): (text, audio token counts,
-    image grids, video grids, video seconds per grid, use_audio_in_video) -> the expanded text."""
-    import types
+    """transformers' own placeholder expansion (bench.hf_engine.processor_expand) of one text: (text, audio token
+    counts, image grids, video grids, video seconds per grid, use_audio_in_video) -> the expanded text."""
+    from bench.hf_engine import processor_expand as expand_all
 
-    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
-        Qwen3OmniMoeProcessor, Qwen3OmniMoeProcessorKwargs,
-    )
-
-    videos_kwargs = Qwen3OmniMoeProcessorKwargs._defaults["videos_kwargs"]
-    sizes = types.SimpleNamespace(merge_size=merge)
-    fake = types.SimpleNamespace(image_processor=sizes, video_processor=sizes, **{
-        k: getattr(tokenizer, k) for k in ("image_token", "audio_token", "video_token", "vision_bos_token",
-                                           "vision_eos_token", "audio_bos_token", "audio_eos_token")})
-
-    def expand(text, audio_lengths, grids, vgrids, spg, use_audio_in_video):
-        return Qwen3OmniMoeProcessor.replace_multimodal_special_tokens(
-            fake, [text], iter(audio_lengths), iter(np.array(grids)), iter(np.array(vgrids)), iter(spg),
-            use_audio_in_video, videos_kwargs["position_id_per_seconds"], videos_kwargs["seconds_per_chunk"])[0]
-    return expand
+    expand = expand_all(tokenizer, merge)
+    return lambda text, *media: expand([text], *media)[0]
 
 
 @dataclass
