@@ -119,6 +119,9 @@ async def chat_request(req: ChatRequest, store: AudioStore, fetcher: Fetcher | N
         else:
             parts = await _user_parts(m.content, where, fetcher)
         out.messages.append(P.Message(role=ROLES[m.role], parts=parts))
+    if req.mm_processor_kwargs is not None and req.mm_processor_kwargs.use_audio_in_video:
+        for part in (p for m in out.messages for p in m.parts if p.HasField("video")):
+            part.video.use_audio_in_video = True
     modalities = set(req.modalities or ["text"])
     if modalities not in ({"text"}, {"text", "audio"}):
         raise bad(f"modalities: must be [\"text\"] or [\"text\", \"audio\"], got {req.modalities}", "modalities")

@@ -120,6 +120,8 @@ def test_a_video_url_data_url_is_the_grpc_video_file(mesh, client, kind):
     if kind == "video_sound":
         unheard = Case([("user", [("video_file", clip), ("text", "What happens?")])]).request(max_tokens=8)
         assert r.choices[0].model_extra["token_ids"] != generate(mesh.gateway_address, unheard).token_ids
+        body = as_chat(unheard) | {"mm_processor_kwargs": {"use_audio_in_video": True}}  # vLLM's request-wide form
+        assert create(client, body).choices[0].model_extra["token_ids"] == r.choices[0].model_extra["token_ids"]
 
 
 def test_16_concurrent_streams(mesh, client):

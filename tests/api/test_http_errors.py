@@ -86,6 +86,7 @@ REFUSED = {  # body fields -> the param the 400 names
     "url fetch off": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
                       "messages[0].content[0].image_url.url"),
     "no messages": ({"messages": []}, "messages"),
+    "other processor options": ({"mm_processor_kwargs": {"fps": 4}}, "mm_processor_kwargs.fps"),
 }
 
 
