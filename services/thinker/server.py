@@ -63,10 +63,10 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
 
     def _span(self, s: thinker_pb2.MultimodalSpan, n: int) -> list[Span]:
         """One span's rows, read once, as a Span per run they fill (views of the rows, not copies)."""
+        embeds = self.transport.get(s.embeds, self.device)  # read first: a refused span's slots are freed too
+        deepstack = [self.transport.get(d, self.device) for d in s.deepstack]
         if len(s.runs) % 2 or any(r < 0 or r > n for r in s.runs):
             raise InvalidArgument(f"span runs must be (offset, rows) pairs within the prompt of {n}, got {list(s.runs)}")
-        embeds = self.transport.get(s.embeds, self.device)
-        deepstack = [self.transport.get(d, self.device) for d in s.deepstack]
         runs = list(zip(s.runs[::2], s.runs[1::2])) or [(s.offset, len(embeds))]
         if sum(rows for _, rows in runs) != len(embeds):
             raise InvalidArgument(f"span runs cover {sum(rows for _, rows in runs)} rows of {len(embeds)}")
