@@ -8,9 +8,10 @@ come from a streamer on the thinker; speech comes out of `generate()` whole (tim
 import gc
 import io
 import math
-import re
 import time
+import types
 
+import numpy as np
 import torch
 from transformers.generation.streamers import BaseStreamer
 
@@ -77,10 +78,33 @@ def build_model(cfg: MeshConfig, device: str):
     return model
 
 
+def processor_expand(tokenizer, merge: int):
+    """transformers' own placeholder expansion (Qwen3OmniMoeProcessor.replace_multimodal_special_tokens) on a
+    stand-in holding what it reads (the processor itself needs torchvision, MODEL.md): (texts, audio token counts,
+    image grids, video grids, video seconds per grid, use_audio_in_video) -> the texts expanded, media in order."""
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
+        Qwen3OmniMoeProcessor, Qwen3OmniMoeProcessorKwargs,
+    )
+
+    videos_kwargs = Qwen3OmniMoeProcessorKwargs._defaults["videos_kwargs"]
+    sizes = types.SimpleNamespace(merge_size=merge)
+    fake = types.SimpleNamespace(image_processor=sizes, video_processor=sizes, **{
+        k: getattr(tokenizer, k) for k in ("image_token", "audio_token", "video_token", "vision_bos_token",
+                                           "vision_eos_token", "audio_bos_token", "audio_eos_token")})
+
+    def expand(texts, audio_lengths, grids, vgrids, spg, use_audio_in_video):
+        return Qwen3OmniMoeProcessor.replace_multimodal_special_tokens(
+            fake, list(texts), iter(audio_lengths), iter(np.array(grids)), iter(np.array(vgrids)), iter(spg),
+            use_audio_in_video, videos_kwargs["position_id_per_seconds"], videos_kwargs["seconds_per_chunk"])
+    return expand
+
+
 class HfEngine:
     def __init__(self, cfg: MeshConfig, device: str, media: MediaSpec, seed_base: int = 0):
         from transformers import AutoTokenizer, WhisperFeatureExtractor
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        from services.preprocess.media import PixelNorm, Preprocessor
 
         self.cfg, self.device, self.media, self.seed_base = cfg, torch.device(device), media, seed_base
         self.spec = OmniSpec.load(cfg.model.dir)
@@ -88,6 +112,9 @@ class HfEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.dir, padding_side="left")
         self.images = Qwen2VLImageProcessorPil.from_pretrained(cfg.model.dir)
         self.audio = WhisperFeatureExtractor.from_pretrained(cfg.model.dir)
+        # video files through our decoder (transformers' video processor needs torchvision), frames held to it in tests
+        self.videos, self.pixels = Preprocessor(cfg.model.dir, cfg.limits), PixelNorm(cfg.model.dir)
+        self.expand = processor_expand(self.tokenizer, self.images.merge_size)
         self.dtype = DTYPES[cfg.model.dtype]
         self.eos = self.spec.raw["im_end_token_id"]
         self.samples_per_frame = int(self.model.code2wav.total_upsample) if getattr(self.model, "has_talker", False) else 1920
@@ -103,29 +130,38 @@ class HfEngine:
         import soundfile as sf
         from PIL import Image
 
-        texts, images, audios = [], [], []
+        texts, images, audios, videos = [], [], [], []
         for i in indices:
             messages = []
             for role, parts in conversation(w, i, self.media):
                 messages.append({"role": role, "content": [{"type": "text", "text": v} if k == "text" else {"type": k} for k, v in parts]})
-                images += [Image.open(io.BytesIO(v)).convert("RGB") for k, v in parts if k == "image"]
-                audios += [sf.read(io.BytesIO(v), dtype="float32")[0] for k, v in parts if k == "audio"]
+                for k, v in parts:
+                    if k == "image":
+                        images.append(Image.open(io.BytesIO(v)).convert("RGB"))
+                    elif k == "audio":
+                        audios.append(sf.read(io.BytesIO(v), dtype="float32")[0])
+                    elif k == "video":  # heard too: its sound where the processor takes an audio length, in turn
+                        videos.append(self.videos.video_file(v, 0.0))
+                        audios.append(videos[-1].soundtrack)
             texts.append(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-        kw, counts = {}, {}
+        kw = {"use_audio_in_video": bool(videos)}
+        lengths, grids, vgrids, spg = [], [], [], []
         if images:
             out = self.images(images=images, return_tensors="pt")
             kw.update(pixel_values=out["pixel_values"].to(self.dtype), image_grid_thw=out["image_grid_thw"])
-            counts["<|image_pad|>"] = iter((out["image_grid_thw"].prod(-1) // self.images.merge_size**2).tolist())
+            grids = out["image_grid_thw"].tolist()
         if audios:
             out = self.audio(audios, sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
             kw.update(input_features=out["input_features"].to(self.dtype), feature_attention_mask=out["attention_mask"])
-            counts["<|audio_pad|>"] = iter([audio_tokens(int(n), self.spec.n_window) for n in out["attention_mask"].sum(-1)])
-        if counts:  # each placeholder becomes as many tokens as its item takes, in order across the batch
-            pattern = re.compile("|".join(re.escape(p) for p in counts))
-            texts = [pattern.sub(lambda m: m.group(0) * next(counts[m.group(0)]), t) for t in texts]
+            lengths = [audio_tokens(int(n), self.spec.n_window) for n in out["attention_mask"].sum(-1)]
+        if videos:
+            vgrids, spg = [v.grid_thw for v in videos], [v.second_per_grid for v in videos]
+            pixels = self.pixels(torch.from_numpy(np.concatenate([v.values for v in videos])), self.dtype)
+            kw.update(pixel_values_videos=pixels, video_grid_thw=torch.tensor(vgrids), video_second_per_grid=torch.tensor(spg))
+        texts = self.expand(texts, lengths, grids, vgrids, spg, kw["use_audio_in_video"])
         enc = self.tokenizer(texts, return_tensors="pt", padding=True)
         kw.update(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
-        return {k: v.to(self.device) for k, v in kw.items()}
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
     @torch.no_grad()
     def batch(self, w: Workload, indices: list[int]) -> list[RequestRecord]:

@@ -28,6 +28,9 @@ def _part(p: omni_pb2.Part) -> dict:
         return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(p.image.data).decode()}}
     if kind == "audio":
         return {"type": "input_audio", "input_audio": {"data": base64.b64encode(p.audio.file).decode(), "format": "wav"}}
+    if kind == "video" and p.video.file:
+        return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(p.video.file).decode(),
+                                                   "use_audio_in_video": p.video.use_audio_in_video}}
     raise ValueError(f"no chat-completions form for a {kind} part")
 
 

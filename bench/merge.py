@@ -12,8 +12,8 @@ from bench import results
 
 # What every part of a resumed sweep must share with the first: the same engine, deployment and overrides, lengths
 # and inputs, on the same code and the same kind of machine.
-SAME_ACROSS_PARTS = ("max_tokens", "frames", "prompt_bytes", "image_size", "clip_seconds", "distinct_inputs", "seed",
-                     "min_requests", "requests_per_slot", "warmup_rounds", "warmup_length", "engine")
+SAME_ACROSS_PARTS = ("max_tokens", "frames", "prompt_bytes", "image_size", "clip_seconds", "video_seconds", "video_size",
+                     "distinct_inputs", "seed", "min_requests", "requests_per_slot", "warmup_rounds", "warmup_length", "engine")
 
 
 def resumed(prior: dict, fresh: dict) -> dict:

@@ -105,6 +105,16 @@ def print_cell(cell: dict) -> None:
           + (f"  first error: {cell['first_error'][:160]}" if cell["failures"] else ""), flush=True)
 
 
+def video_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--video-size: WIDTHxHEIGHT expected, got {text!r}") from None
+    if width < 32 or height < 32 or width % 2 or height % 2:  # yuv420p halves both sides
+        raise SystemExit(f"--video-size: even sides of at least 32 expected, got {text!r}")
+    return width, height
+
+
 def dead_stages(procs: dict, w: Workload) -> str:
     """Why `w`'s cells cannot run: the launched stage processes (`procs`, name -> Popen) it needs that exited (a
     talker that died leaves the text workloads to run)."""
@@ -145,7 +155,8 @@ class HfRunner:
 class Sweep:
     def __init__(self, args, result: dict):
         self.args, self.result, self.budget = args, result, Budget(args.max_minutes)
-        self.media = MediaSpec(args.image_size, args.clip_seconds, args.distinct_inputs, args.seed)
+        self.media = MediaSpec(args.image_size, args.clip_seconds, args.distinct_inputs, args.seed, args.video_seconds,
+                               video_size(args.video_size))
 
     def requests(self, concurrency: int) -> int:
         return max(self.args.requests_per_slot * concurrency, self.args.min_requests)
@@ -281,6 +292,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-bytes", type=int, default=None, help="override the generated text prompts' length")
     p.add_argument("--image-size", type=int, default=512)
     p.add_argument("--clip-seconds", type=float, default=7.0)
+    p.add_argument("--video-seconds", type=float, default=10.0, help="the video workloads' clips")
+    p.add_argument("--video-size", default="640x360", help="the video workloads' frames, WIDTHxHEIGHT")
     p.add_argument("--distinct-inputs", type=int, default=0, help="0: every request its own image/clip/prompt")
     p.add_argument("--seed", type=int, default=0, help="inputs and sampling seeds")
     p.add_argument("--max-minutes", type=float, default=None, help="bound on the whole run; cells that do not fit are skipped")

@@ -1,8 +1,9 @@
-"""The six benchmark workloads of BENCHMARK.md and their deterministic inputs.
+"""The benchmark workloads (BENCHMARK.md's six, and video with its sound in: v2t, v2s) and their deterministic inputs.
 
-A request is a conversation of parts, ("text", str) | ("image", PNG bytes) | ("audio", WAV bytes); the
-load generator turns it into a GenerateRequest and the transformers baseline into model inputs, so both
-engines see the same bytes. Request i uses media seed i % distinct and sampling seeds derived from i.
+A request is a conversation of parts, ("text", str) | ("image", PNG bytes) | ("audio", WAV bytes) | ("video", MP4
+bytes, heard too: use_audio_in_video); the load generator turns it into a GenerateRequest and the transformers
+baseline into model inputs, so both engines see the same bytes. Request i uses media seed i % distinct and sampling
+seeds derived from i.
 """
 
 import io
@@ -23,7 +24,7 @@ PROMPT_ALPHABET = np.array(list("abcdefghijklmnopqrtuvwxyz     "))
 @dataclass(frozen=True)
 class Workload:
     name: str
-    media: str  # "text" | "image" | "audio"
+    media: str  # "text" | "image" | "audio" | "video"
     speech: bool
     max_tokens: int  # thinker tokens, exactly (EOS ignored)
     frames: int = 0  # codec frames, exactly (speech only)
@@ -38,6 +39,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("t2s", "text", True, 128, 250, prompt_bytes=32),
     Workload("i2s", "image", True, 128, 250, prompt_text="Describe this image."),
     Workload("s2s", "audio", True, 64, 63),
+    Workload("v2t", "video", False, 256, prompt_text="What happens in this video?"),
+    Workload("v2s", "video", True, 128, 250, prompt_text="What happens in this video?"),
 ]}
 
 
@@ -47,6 +50,8 @@ class MediaSpec:
     clip_seconds: float = 7.0  # 16 kHz mono, 91 audio tokens at full size
     distinct: int = 0  # 0: every request its own input; else request i uses media seed i % distinct
     seed: int = 0
+    video_seconds: float = 10.0  # H.264 at 25 fps with an AAC soundtrack, sampled at Qwen's 2 fps: 20 frames
+    video_size: tuple[int, int] = (640, 360)  # width, height
 
 
 def select(names: str, max_tokens: int | None = None, frames: int | None = None,
@@ -81,9 +86,8 @@ def image_png(seed: int, size: int) -> bytes:
     return buf.getvalue()
 
 
-@lru_cache(maxsize=64)
-def clip_wav(seed: int, seconds: float, rate: int = 16000) -> bytes:
-    """A seeded speech-like clip: a few gliding tones under a syllable-rate envelope, plus noise; PCM16 WAV."""
+def speechlike(seed: int, seconds: float, rate: int) -> np.ndarray:
+    """A few gliding tones under a syllable-rate envelope, plus noise: mono float64 in [-1, 1]."""
     rng = np.random.default_rng([seed, 3])
     t = np.arange(int(seconds * rate)) / rate
     signal = np.zeros_like(t)
@@ -91,13 +95,48 @@ def clip_wav(seed: int, seconds: float, rate: int = 16000) -> bytes:
         f0, glide = 120 + 300 * rng.random(), 40 * rng.standard_normal()
         signal += np.sin(2 * np.pi * (f0 * t + glide * t**2 / (2 * seconds)))
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4.0 * t + rng.random() * 6.28)
-    mono = 0.2 * signal / 3 * envelope + 0.02 * rng.standard_normal(len(t))
+    return np.clip(0.2 * signal / 3 * envelope + 0.02 * rng.standard_normal(len(t)), -1, 1)
+
+
+@lru_cache(maxsize=64)
+def clip_wav(seed: int, seconds: float, rate: int = 16000) -> bytes:
+    """A seeded speech-like clip (`speechlike`), PCM16 WAV."""
+    mono = speechlike(seed, seconds, rate)
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(rate)
-        w.writeframes((np.clip(mono, -1, 1) * 32767).astype("<i2").tobytes())
+        w.writeframes((mono * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+@lru_cache(maxsize=16)
+def video_mp4(seed: int, seconds: float, size: tuple[int, int], fps: int = 25, rate: int = 48000) -> bytes:
+    """A seeded clip made by PyAV: a smooth picture drifting across the frame (every sampled frame differs), H.264
+    in MP4, with a speech-like AAC soundtrack. One encoder thread: the same bytes on every host."""
+    import av
+
+    width, height = size
+    rng = np.random.default_rng([seed, 4])
+    coarse = rng.integers(0, 256, (max(height // 32, 2), max(width // 32, 2), 3), dtype=np.uint8)
+    picture = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC))
+    sound = speechlike(seed, seconds, rate).astype(np.float32)[None]
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        video = out.add_stream("libx264", rate=fps, options={"preset": "veryfast", "threads": "1"})
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        audio = out.add_stream("aac", rate=rate, layout="mono")
+        for i in range(round(seconds * fps)):
+            frame = av.VideoFrame.from_ndarray(np.roll(picture, 4 * i, axis=1), format="rgb24")
+            out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+        step = audio.codec_context.frame_size or 1024
+        for at in range(0, sound.shape[1], step):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(sound[:, at:at + step]), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = rate, at
+            out.mux(audio.encode(frame))
+        out.mux(audio.encode(None))
     return buf.getvalue()
 
 
@@ -109,6 +148,8 @@ def conversation(w: Workload, index: int, media: MediaSpec) -> list[tuple[str, l
         parts.append(("image", image_png(seed, media.image_size)))
     elif w.media == "audio":
         parts.append(("audio", clip_wav(seed, media.clip_seconds)))
+    elif w.media == "video":
+        parts.append(("video", video_mp4(seed, media.video_seconds, tuple(media.video_size))))
     if w.prompt_bytes:
         parts.append(("text", ascii_prompt(seed, w.prompt_bytes)))
     elif w.prompt_text:
@@ -130,6 +171,8 @@ def grpc_request(w: Workload, index: int, media: MediaSpec, seed_base: int = 0) 
             parts.append(omni_pb2.Part(text=value))
         elif kind == "image":
             parts.append(omni_pb2.Part(image=omni_pb2.Image(data=value)))
+        elif kind == "video":
+            parts.append(omni_pb2.Part(video=omni_pb2.Video(file=value, use_audio_in_video=True)))
         else:
             parts.append(omni_pb2.Part(audio=omni_pb2.Audio(file=value)))
     req = omni_pb2.GenerateRequest(

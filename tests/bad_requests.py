@@ -60,6 +60,12 @@ def both_video():
     return req
 
 
+def heard_frames():
+    req = user(("video", ([png(1, 32, 32)] * 2, 1.0)), ("text", "x")).request()
+    req.messages[0].parts[0].video.use_audio_in_video = True
+    return req
+
+
 def bad_requests():
     good_png, good_wav = png(5), wav(6)
     good_mp4, good_webm = video_file(1, 32, 32), video_file(1, 32, 32, "webm", "libvpx-vp9")
@@ -109,6 +115,9 @@ def bad_requests():
         "video frame pixels": (user(("video_file", video_file(0.2, 1280, 1024)), ("text", "x")).request(), EXHAUSTED,
                                "media item 0: video frames of 1280x1024 = 1310720 pixels are over the limit"),
         "video frames and file": (both_video(), INVALID, "media item 0: a video has either frames or a file, not both"),
+        "silent video heard": (user(("video_sound", good_mp4), ("text", "x")).request(), INVALID,
+                               "media item 0: use_audio_in_video is set, but the video file has no audio stream"),
+        "video frames heard": (heard_frames(), INVALID, "messages[0].parts[0]: use_audio_in_video needs a video file"),
     }
     return cases
 

@@ -100,10 +100,19 @@ def load_hf(model_dir):
     return model
 
 
+def processor_expand(tokenizer, merge: int = 2):
+    """transformers' own placeholder expansion (bench.hf_engine.processor_expand) of one text: (text, audio token
+    counts, image grids, video grids, video seconds per grid, use_audio_in_video) -> the expanded text."""
+    from bench.hf_engine import processor_expand as expand_all
+
+    expand = expand_all(tokenizer, merge)
+    return lambda text, *media: expand([text], *media)[0]
+
+
 @dataclass
 class Case:
     """A conversation: [(role, [("text", str) | ("image", png) | ("audio", wav) | ("video", ([png], fps))
-    | ("video_file", bytes)])]."""
+    | ("video_file", bytes) | ("video_sound", bytes: a file heard too, use_audio_in_video)])]."""
     messages: list
 
     def request(self, speech: bool = False, max_tokens: int = 8, frames: int = 16, voice: str = "", greedy: bool = True,
@@ -118,8 +127,8 @@ class Case:
                     out.append(omni_pb2.Part(image=omni_pb2.Image(data=value)))
                 elif kind == "audio":
                     out.append(omni_pb2.Part(audio=omni_pb2.Audio(file=value)))
-                elif kind == "video_file":
-                    out.append(omni_pb2.Part(video=omni_pb2.Video(file=value)))
+                elif kind in ("video_file", "video_sound"):
+                    out.append(omni_pb2.Part(video=omni_pb2.Video(file=value, use_audio_in_video=kind == "video_sound")))
                 else:
                     frames_, fps = value
                     out.append(omni_pb2.Part(video=omni_pb2.Video(frames=[omni_pb2.Image(data=f) for f in frames_], fps=fps)))
@@ -153,53 +162,49 @@ class Reference:
         self.images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
         self.pre = Preprocessor(model_dir, Limits())  # video only: transformers' video processor needs torchvision
+        self.expand = processor_expand(self.tokenizer, self.images.merge_size)
 
     def inputs(self, case: Case) -> dict:
         import soundfile as sf
         from services.model.spec import audio_tokens
 
-        messages, images, audios, videos = [], [], [], []
+        messages, images, audios, videos, sound = [], [], [], [], set()
         for role, parts in case.messages:
             content = []
             for kind, value in parts:
-                content.append({"type": "text", "text": value} if kind == "text" else {"type": kind.removesuffix("_file")})
+                content.append({"type": "text", "text": value} if kind == "text" else
+                               {"type": "video" if kind.startswith("video") else kind})
                 if kind == "image":
                     images.append(Image.open(io.BytesIO(value)).convert("RGB"))
                 elif kind == "audio":
                     audios.append(sf.read(io.BytesIO(value), dtype="float32")[0])
                 elif kind == "video":
                     videos.append(self.pre.video(*value))
-                elif kind == "video_file":  # its frames are held to transformers' in tests/preprocess/test_video_in.py
+                    sound.add(False)
+                elif kind.startswith("video"):  # its frames and sound are held to transformers' in tests/preprocess
                     videos.append(self.pre.video_file(value, 0.0))
+                    sound.add(kind == "video_sound")
+                    if kind == "video_sound":  # in the audio list where the processor takes its length: in turn
+                        audios.append(videos[-1].soundtrack)
             messages.append({"role": role, "content": content})
+        assert len(sound) <= 1, "transformers takes use_audio_in_video for a whole request"
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        kw = {}
-        counts = {}
+        kw = {"use_audio_in_video": sound == {True}}
+        lengths, grids, vgrids, spg = [], [], [], []
         if images:
             out = self.images(images=images, return_tensors="pt")
             kw.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
-            counts["<|image_pad|>"] = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+            grids = out["image_grid_thw"].tolist()
         if audios:
             out = self.audio(audios, sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="pt")
             kw.update(input_features=out["input_features"], feature_attention_mask=out["attention_mask"])
-            counts["<|audio_pad|>"] = iter(audio_tokens(int(n)) for n in out["attention_mask"].sum(-1))
+            lengths = [audio_tokens(int(n)) for n in out["attention_mask"].sum(-1)]
         if videos:
             pixels = self.video_pixels(torch.from_numpy(np.concatenate([v.values for v in videos])), torch.float32)
-            kw.update(pixel_values_videos=pixels,
-                      video_grid_thw=torch.tensor([v.grid_thw for v in videos]),
-                      video_second_per_grid=torch.tensor([v.second_per_grid for v in videos]))
-            counts["<|video_pad|>"] = iter(v.num_tokens for v in videos)
-        pieces, out_text, i = text, "", 0
-        while i < len(pieces):  # expand each placeholder to its token count, in order
-            for pad, it in counts.items():
-                if pieces.startswith(pad, i):
-                    out_text += pad * next(it)
-                    i += len(pad)
-                    break
-            else:
-                out_text += pieces[i]
-                i += 1
-        ids = self.tokenizer(out_text, return_tensors="pt")["input_ids"]
+            vgrids, spg = [v.grid_thw for v in videos], [v.second_per_grid for v in videos]
+            kw.update(pixel_values_videos=pixels, video_grid_thw=torch.tensor(vgrids), video_second_per_grid=torch.tensor(spg))
+        text = self.expand(text, lengths, grids, vgrids, spg, kw["use_audio_in_video"])
+        ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         return dict(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
 
     @torch.no_grad()

@@ -91,14 +91,16 @@ class Audio(_message.Message):
     def __init__(self, file: _Optional[bytes] = ..., pcm: _Optional[_Union[RawPcm, _Mapping]] = ...) -> None: ...
 
 class Video(_message.Message):
-    __slots__ = ("frames", "fps", "file")
+    __slots__ = ("frames", "fps", "file", "use_audio_in_video")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
+    USE_AUDIO_IN_VIDEO_FIELD_NUMBER: _ClassVar[int]
     frames: _containers.RepeatedCompositeFieldContainer[Image]
     fps: float
     file: bytes
-    def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., fps: _Optional[float] = ..., file: _Optional[bytes] = ...) -> None: ...
+    use_audio_in_video: bool
+    def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., fps: _Optional[float] = ..., file: _Optional[bytes] = ..., use_audio_in_video: _Optional[bool] = ...) -> None: ...
 
 class Part(_message.Message):
     __slots__ = ("text", "image", "audio", "video")

@@ -45,6 +45,7 @@ class AudioPart(Strict):
 
 class VideoUrl(Strict):
     url: str
+    use_audio_in_video: bool = False  # the model hears the file's soundtrack too (omni.v1.Video.use_audio_in_video)
 
 
 class VideoPart(Strict):
@@ -114,6 +115,11 @@ class Sampling(Strict):
     ignore_eos: bool | None = None
 
 
+class MmProcessorKwargs(Strict):
+    """vLLM's processor options for Qwen-Omni: the one this server takes, for the whole request."""
+    use_audio_in_video: bool | None = None  # every video part heard too, as its own use_audio_in_video
+
+
 class ChatRequest(Strict):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -150,6 +156,7 @@ class ChatRequest(Strict):
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
     talker: Sampling | None = None
+    mm_processor_kwargs: MmProcessorKwargs | None = None
 
 
 class SpeechRequest(Strict):

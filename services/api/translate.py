@@ -81,7 +81,8 @@ async def _user_parts(content, where: str, fetcher: Fetcher | None) -> list[P.Pa
         elif p.type == "input_audio":  # the format is the file's own business: its bytes are probed
             parts.append(P.Part(audio=P.Audio(file=b64(p.input_audio.data, f"{at}.input_audio.data"))))
         else:
-            parts.append(P.Part(video=P.Video(file=await media(p.video_url.url, f"{at}.video_url.url", fetcher))))
+            parts.append(P.Part(video=P.Video(file=await media(p.video_url.url, f"{at}.video_url.url", fetcher),
+                                              use_audio_in_video=p.video_url.use_audio_in_video)))
     return parts
 
 
@@ -118,6 +119,9 @@ async def chat_request(req: ChatRequest, store: AudioStore, fetcher: Fetcher | N
         else:
             parts = await _user_parts(m.content, where, fetcher)
         out.messages.append(P.Message(role=ROLES[m.role], parts=parts))
+    if req.mm_processor_kwargs is not None and req.mm_processor_kwargs.use_audio_in_video:
+        for part in (p for m in out.messages for p in m.parts if p.HasField("video")):
+            part.video.use_audio_in_video = True
     modalities = set(req.modalities or ["text"])
     if modalities not in ({"text"}, {"text", "audio"}):
         raise bad(f"modalities: must be [\"text\"] or [\"text\", \"audio\"], got {req.modalities}", "modalities")

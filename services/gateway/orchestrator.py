@@ -224,7 +224,8 @@ class Gateway:
         progress.add_timings(pre.timings)
         # As the gateway waited (work, queue, messages): beside the stages' own, where a first token waits
         progress.timings["gateway_preprocess"] = time.perf_counter() - t0
-        media = [MediaRef(MEDIA_KINDS[f.kind], f.num_tokens, tuple(f.grid_thw) or None, f.feature_length, f.second_per_grid) for f in pre.items]
+        media = [MediaRef(MEDIA_KINDS[f.kind], f.num_tokens, tuple(f.grid_thw) or None, f.feature_length,
+                          f.exact_second_per_grid or f.second_per_grid, f.with_audio) for f in pre.items]
         prompt = await asyncio.to_thread(self._build_prompt, r, media)
         t0 = time.perf_counter()
         with self.encoders.use(encoder_ep):
@@ -232,7 +233,9 @@ class Gateway:
                 encoder_pb2.EncodeRequest(request_id=rid, items=pre.items, placement=_placement(thinker_ep, self.cfg.transport.shm)), timeout=progress.left())
         progress.add_timings(enc.timings)
         progress.timings["gateway_encode"] = time.perf_counter() - t0
-        spans = [thinker_pb2.MultimodalSpan(offset=o, embeds=e.embeds, deepstack=e.deepstack) for o, e in zip(prompt.offsets, enc.items)]
+        spans = [thinker_pb2.MultimodalSpan(offset=runs[0][0], embeds=e.embeds, deepstack=e.deepstack,
+                                            runs=[x for run in runs for x in run] if len(runs) > 1 else [])
+                 for runs, e in zip(prompt.runs, enc.items)]
         return spans, prompt
 
     @staticmethod

@@ -82,6 +82,8 @@ def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, talke
                 check_text(part.text, f"messages[{i}].parts[{j}]")
                 content.append({"type": "text", "text": part.text})
             else:
+                if kind == "video" and part.video.use_audio_in_video and not part.video.file:
+                    raise InvalidArgument(f"messages[{i}].parts[{j}]: use_audio_in_video needs a video file (frames have no sound)")
                 content.append({"type": kind})
                 media.append(getattr(part, kind))
         messages.append({"role": role, "content": content})

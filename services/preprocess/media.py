@@ -37,6 +37,7 @@ class Features:
     feature_length: int = 0
     second_per_grid: float = 0.0
     soundtrack: np.ndarray | None = None  # a video file's sound, mono float32 at SAMPLE_RATE, for use_audio_in_video
+    with_audio: bool = False  # video: the next item is its soundtrack, interleaved with its frames in the prompt
 
 
 def open_image(data: bytes, limits: Limits, where: str, fits=None) -> Image.Image:
@@ -149,6 +150,14 @@ class Preprocessor:
         out = self._video([Image.fromarray(f) for f in clip.frames], clip.fps, where)
         out.soundtrack = clip.audio
         return out
+
+    def soundtrack(self, video: Features, where: str = "video") -> Features:
+        """A video file's sound as an audio item, for use_audio_in_video (the video is marked as having it)."""
+        if video.soundtrack is None:
+            raise InvalidArgument(f"{where}: use_audio_in_video is set, but the video file has no audio stream")
+        self._check_context(len(video.soundtrack) / SAMPLE_RATE, where)
+        video.with_audio = True
+        return self._audio(video.soundtrack, SAMPLE_RATE, f"{where} soundtrack")
 
     @staticmethod
     def _fps(fps: float, default: float, where: str) -> float:

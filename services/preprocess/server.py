@@ -34,23 +34,29 @@ PCM = {omni_pb2.PCM_ENCODING_S16LE: "s16le", omni_pb2.PCM_ENCODING_F32LE: "f32le
 log = logging.getLogger(__name__)
 
 
-def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> Features:
+def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> list[Features]:
+    """The item's features: one, or a video's and then its soundtrack's (use_audio_in_video)."""
     where = f"media item {index}"
     kind = item.WhichOneof("content")
     if kind == "image":
-        return pre.image(item.image.data, where)
+        return [pre.image(item.image.data, where)]
     if kind == "video":
         v = item.video
         if v.file and v.frames:
             raise InvalidArgument(f"{where}: a video has either frames or a file, not both")
-        return pre.video_file(v.file, v.fps, where) if v.file else pre.video([f.data for f in v.frames], v.fps, where)
+        if v.use_audio_in_video and not v.file:
+            raise InvalidArgument(f"{where}: use_audio_in_video needs a video file (frames have no sound)")
+        if not v.file:
+            return [pre.video([f.data for f in v.frames], v.fps, where)]
+        video = pre.video_file(v.file, v.fps, where)
+        return [video, pre.soundtrack(video, where)] if v.use_audio_in_video else [video]
     if kind == "audio":
         source = item.audio.WhichOneof("source")
         if source == "file":
-            return pre.audio_file(item.audio.file, where)
+            return [pre.audio_file(item.audio.file, where)]
         if source == "pcm":
             p = item.audio.pcm
-            return pre.audio_pcm(p.data, p.sample_rate, PCM.get(p.encoding, ""), p.channels, where)
+            return [pre.audio_pcm(p.data, p.sample_rate, PCM.get(p.encoding, ""), p.channels, where)]
         raise InvalidArgument(f"{where}: audio has neither a file nor PCM")
     raise InvalidArgument(f"{where}: empty media item")
 
@@ -84,7 +90,7 @@ def _ready() -> bool:
     return _WORKER is not None
 
 
-def _prepare_in_worker(index: int, item: bytes) -> Features:
+def _prepare_in_worker(index: int, item: bytes) -> list[Features]:
     return prepare(_WORKER, index, preprocess_pb2.MediaItem.FromString(item))
 
 
@@ -106,7 +112,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(self.pool, _ready) for _ in range(2 * self.workers)))
 
-    async def _run(self, index: int, item: preprocess_pb2.MediaItem) -> Features:
+    async def _run(self, index: int, item: preprocess_pb2.MediaItem) -> list[Features]:
         payload = item.SerializeToString()
         for attempt in (0, 1):
             pool = self.pool
@@ -128,12 +134,13 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
             t0 = time.perf_counter()
             done = await asyncio.gather(*(self._run(i, it) for i, it in enumerate(request.items)))
         reply = preprocess_pb2.PreprocessResponse(timings=timings(preprocess=time.perf_counter() - t0))
-        for f in done:
+        for f in (f for item in done for f in item):
             ref = self.transport.put(torch.from_numpy(f.values), request.placement)
             reply.items.append(preprocess_pb2.Features(
                 kind=KINDS[f.kind], values=ref,
                 grid_thw=list(f.grid_thw or ()), feature_length=f.feature_length,
                 second_per_grid=f.second_per_grid, num_tokens=f.num_tokens,
+                with_audio=f.with_audio, exact_second_per_grid=f.second_per_grid,
             ))
         return reply
 

@@ -199,7 +199,8 @@ class SpeechEngine:
                             c["codec_pad_id"], c["codec_bos_id"]], self.device, torch.long)
         codec = torch.cat([torch.zeros(3, text.shape[1], device=self.device, dtype=self.dtype), tk.get_input_embeddings()(codec_ids)])
         talker_ids = torch.cat([user_ids, torch.full((9,), self.tts_pad_id)])
-        pos, seq.rope_delta = mrope_positions(talker_ids.numpy(), seq.layout, self.rope_tokens)
+        # transformers' generate() gives its talker no use_audio_in_video: get_rope_index's counts under False
+        pos, seq.rope_delta = mrope_positions(talker_ids.numpy(), seq.layout, self.rope_tokens, use_audio_in_video=False)
         return torch.cat([user_embeds, text + codec]), upload(torch.from_numpy(pos), self.device)
 
     def trailing(self, seq: TalkerSeq, t: int) -> torch.Tensor:

@@ -55,14 +55,26 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServicer):
             positions = torch.tensor(req.positions, dtype=torch.float32).view(3, len(prompt))
             if not bool(positions.isfinite().all()):
                 raise InvalidArgument("positions must be finite")
-        spans = [
-            Span(s.offset, self.transport.get(s.embeds, self.device), [self.transport.get(d, self.device) for d in s.deepstack])
-            for s in req.spans
-        ]
+        spans = [piece for s in req.spans for piece in self._span(s, len(prompt))]
         return ThinkerSeq(
             request_id=req.request_id, prompt_ids=prompt, params=params, positions=positions, rope_delta=req.rope_delta, spans=spans,
             return_states=req.return_states, embed_token_ids=list(req.embed_token_ids),
         )
+
+    def _span(self, s: thinker_pb2.MultimodalSpan, n: int) -> list[Span]:
+        """One span's rows, read once, as a Span per run they fill (views of the rows, not copies)."""
+        embeds = self.transport.get(s.embeds, self.device)  # read first: a refused span's slots are freed too
+        deepstack = [self.transport.get(d, self.device) for d in s.deepstack]
+        if len(s.runs) % 2 or any(r < 0 or r > n for r in s.runs):
+            raise InvalidArgument(f"span runs must be (offset, rows) pairs within the prompt of {n}, got {list(s.runs)}")
+        runs = list(zip(s.runs[::2], s.runs[1::2])) or [(s.offset, len(embeds))]
+        if sum(rows for _, rows in runs) != len(embeds):
+            raise InvalidArgument(f"span runs cover {sum(rows for _, rows in runs)} rows of {len(embeds)}")
+        out, row = [], 0
+        for offset, rows in runs:
+            out.append(Span(offset, embeds[row:row + rows], [d[row:row + rows] for d in deepstack]))
+            row += rows
+        return out
 
     @rpc
     async def Generate(self, request, context):

@@ -23,7 +23,8 @@ def as_chat(req: omni_pb2.GenerateRequest, model: str = "tiny", audio_format: st
             elif kind == "audio":
                 parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(p.audio.file).decode(), "format": "wav"}})
             elif kind == "video" and p.video.file:
-                parts.append({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(p.video.file).decode()}})
+                url = {"url": "data:video/mp4;base64," + base64.b64encode(p.video.file).decode()}
+                parts.append({"type": "video_url", "video_url": url | ({"use_audio_in_video": True} if p.video.use_audio_in_video else {})})
             else:
                 raise ValueError(f"no OpenAI form for a {kind} part")
         messages.append({"role": ROLE[m.role], "content": parts})

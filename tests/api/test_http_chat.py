@@ -110,10 +110,18 @@ def test_input_audio_in_every_listed_format(mesh, client, fmt):
     assert r.choices[0].model_extra["token_ids"] == generate(mesh.gateway_address, req).token_ids
 
 
-def test_a_video_url_data_url_is_the_grpc_video_file(mesh, client):
-    req = Case([("user", [("video_file", video_file(2, 64, 48, sound="aac")), ("text", "What happens?")])]).request(max_tokens=8)
+@pytest.mark.parametrize("kind", ["video_file", "video_sound"])
+def test_a_video_url_data_url_is_the_grpc_video_file(mesh, client, kind):
+    """A video_url part is Video.file; with use_audio_in_video, heard too (the tokens differ from the file unheard)."""
+    clip = video_file(2, 64, 48, sound="aac")
+    req = Case([("user", [(kind, clip), ("text", "What happens?")])]).request(max_tokens=8)
     r = create(client, as_chat(req))
     assert r.choices[0].model_extra["token_ids"] == generate(mesh.gateway_address, req).token_ids
+    if kind == "video_sound":
+        unheard = Case([("user", [("video_file", clip), ("text", "What happens?")])]).request(max_tokens=8)
+        assert r.choices[0].model_extra["token_ids"] != generate(mesh.gateway_address, unheard).token_ids
+        body = as_chat(unheard) | {"mm_processor_kwargs": {"use_audio_in_video": True}}  # vLLM's request-wide form
+        assert create(client, body).choices[0].model_extra["token_ids"] == r.choices[0].model_extra["token_ids"]
 
 
 def test_16_concurrent_streams(mesh, client):

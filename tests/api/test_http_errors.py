@@ -28,7 +28,7 @@ SAME_MESSAGE = ["corrupt image", "truncated image", "unsupported image format", 
                 "corrupt audio", "truncated audio", "audio too long", "too many media", "reserved token in text",
                 "unknown voice", "max tokens over limit", "past the context", "bad top_p", "text past the context",
                 "corrupt video file", "truncated webm file", "unsupported video codec", "video file too long",
-                "video file frames", "video frame pixels"]
+                "video file frames", "video frame pixels", "silent video heard"]
 
 
 def chat_body(**extra) -> dict:
@@ -86,6 +86,7 @@ REFUSED = {  # body fields -> the param the 400 names
     "url fetch off": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
                       "messages[0].content[0].image_url.url"),
     "no messages": ({"messages": []}, "messages"),
+    "other processor options": ({"mm_processor_kwargs": {"fps": 4}}, "mm_processor_kwargs.fps"),
 }
 
 

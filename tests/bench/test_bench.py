@@ -171,8 +171,8 @@ def test_time_limit_skips_cells(bench_dir):
 def test_workload_inputs_are_deterministic(tiny_model):
     from transformers import AutoTokenizer
 
-    media = MediaSpec(image_size=64, clip_seconds=1.0)
-    for w in select("t2t,i2t,s2t,t2s,i2s,s2s", max_tokens=7, frames=3):
+    media = MediaSpec(image_size=64, clip_seconds=1.0, video_seconds=1.0, video_size=(64, 48))
+    for w in select("t2t,i2t,s2t,t2s,i2s,s2s,v2t,v2s", max_tokens=7, frames=3):
         a, b, c = (grpc_request(w, i, media) for i in (5, 5, 6))
         assert a.SerializeToString() == b.SerializeToString() != c.SerializeToString(), w.name
         assert a.sampling.max_tokens == 7 and a.sampling.ignore_eos and a.sampling.seed > 0, w.name
@@ -180,6 +180,46 @@ def test_workload_inputs_are_deterministic(tiny_model):
         assert (a.talker_sampling.max_tokens, a.talker_sampling.ignore_eos) == ((3, True) if w.speech else (0, False)), w.name
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     assert all(len(tokenizer(ascii_prompt(seed, 128))["input_ids"]) == 128 for seed in range(20))
+
+
+def test_video_workloads_hear_their_clips(bench_dir, mesh):
+    """v2t and v2s through a mesh and through transformers' generate(use_audio_in_video=True): each request a
+    generated MP4 (H.264, AAC) sent as Video.file with use_audio_in_video, every request answered at its lengths, its
+    prompt the same on both engines and holding the clip's sound as well as its frames (more tokens than the same
+    file unheard, by the soundtrack's)."""
+    from client_util import generate
+    from services.model.spec import audio_tokens
+    from services.preprocess.media import Preprocessor
+    from services.runtime.config import Limits
+
+    out, hf = bench_dir / "video.json", bench_dir / "video-hf.json"
+    args = ["--config", str(mesh.config_path), "--records", "--workloads", "v2t,v2s", "--concurrency", "1,2",
+            "--min-requests", "2", "--requests-per-slot", "1", "--max-tokens", str(TOKENS), "--frames", str(FRAMES),
+            "--video-seconds", "2", "--video-size", "64x48"]
+    bench_run.main([*args, "--address", mesh.gateway_address, "--out", str(out)])
+    bench_run.main([*args, "--engine", "hf", "--device", "cpu", "--out", str(hf)])
+    cells = {c["workload"]: c for c in results.read(out)["cells"] if c["concurrency"] == 2}
+    hf_cells = {c["workload"]: c for c in results.read(hf)["cells"] if c["concurrency"] == 2}
+    assert set(cells) == set(hf_cells) == {"v2t", "v2s"} and all(c["input"] == "video" for c in cells.values())
+    for name, cell in cells.items():
+        for c in (cell, hf_cells[name]):
+            assert c["status"] == "ok" and c["failures"] == 0, (name, c.get("first_error"))
+            assert all(r["text_tokens"] == TOKENS for r in c["records"]), name
+            assert all((r["audio_frames"] == FRAMES) == WORKLOADS[name].speech for r in c["records"]), name
+        prompts = [{r["index"]: r["prompt_tokens"] for r in c["records"]} for c in (cell, hf_cells[name])]
+        assert prompts[0] == prompts[1], name
+    media = MediaSpec(video_seconds=2.0, video_size=(64, 48))
+    req = grpc_request(select("v2t", max_tokens=TOKENS)[0], 0, media)
+    clip = req.messages[0].parts[0].video
+    assert clip.use_audio_in_video and clip.file[4:8] == b"ftyp"
+    heard = generate(mesh.gateway_address, req).finished.usage.prompt_tokens
+    clip.use_audio_in_video = False
+    unheard = generate(mesh.gateway_address, req).finished.usage.prompt_tokens
+    pre = Preprocessor(mesh.cfg.model.dir, Limits())
+    sound = pre.soundtrack(pre.video_file(clip.file, 0.0))
+    assert sound.num_tokens == audio_tokens(sound.feature_length) > 20
+    assert heard - unheard == 2 + sound.num_tokens  # <|audio_start|>, <|audio_end|> and the sound's tokens
+    assert {r["prompt_tokens"] for r in cells["v2t"]["records"]} == {heard}
 
 
 def test_a_sweep_runs_in_parts(bench_dir):
@@ -280,9 +320,9 @@ def test_a_dead_stage_skips_only_the_cells_that_need_it():
     procs = {"gateway-0": proc(None), "preprocess-0": proc(None), "encoder-0": proc(None), "encoder-1": proc(None),
              "thinker-0": proc(None), "talker-0": proc(-6)}
     assert {name: bool(dead_stages(procs, w)) for name, w in WORKLOADS.items()} == {
-        "t2t": False, "i2t": False, "s2t": False, "t2s": True, "i2s": True, "s2s": True}
+        "t2t": False, "i2t": False, "s2t": False, "t2s": True, "i2s": True, "s2s": True, "v2t": False, "v2s": True}
     assert dead_stages(procs, WORKLOADS["s2s"]) == "talker-0 exited with code -6"
     procs["encoder-1"] = proc(1)
-    assert [n for n, w in WORKLOADS.items() if dead_stages(procs, w)] == ["i2t", "s2t", "t2s", "i2s", "s2s"]
+    assert [n for n, w in WORKLOADS.items() if dead_stages(procs, w)] == ["i2t", "s2t", "t2s", "i2s", "s2s", "v2t", "v2s"]
     procs["thinker-0"] = proc(1)
     assert all(dead_stages(procs, w) for w in WORKLOADS.values())

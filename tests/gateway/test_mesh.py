@@ -19,15 +19,22 @@ CASES = {
     "audio": Case([("user", [("audio", wav(2, 1.5)), ("text", "What do you hear?")])]),
     "video": Case([("user", [("video", ([png(10 + i, 64, 64) for i in range(3)], 2.0)), ("text", "What happens?")])]),
     "video file": Case([("user", [("video_file", video_file(2, 64, 48, sound="aac")), ("text", "What happens?")])]),
+    # the same file heard too (use_audio_in_video): its sound's tokens between its frames'
+    "video sound": Case([("user", [("video_sound", video_file(2, 64, 48, sound="aac")), ("text", "What happens?")])]),
+    "video sound mixed": Case([("user", [("image", png(5, 64, 48)), ("video_sound", video_file(2, 64, 48, sound="aac", seed=1)),
+                                         ("audio", wav(6, 1.0)), ("text", "Compare them.")])]),
     "mixed": Case([
         ("system", [("text", "You are terse.")]),
         ("user", [("text", "Look:"), ("image", png(3, 96, 64)), ("audio", wav(4, 1.0)), ("text", "and compare.")]),
     ]),
 }
-# (case, speech): t2t, i2t, s2t, video (frames, a file) in; t2s, i2s, s2s; and everything at once.
+# (case, speech): t2t, i2t, s2t, video (frames, a file, a file with its sound) in; t2s, i2s, s2s, a video file
+# unheard and heard to speech; everything at once, and a video heard beside an image and a clip.
 PATHS = {
     "t2t": ("text", False), "i2t": ("image", False), "s2t": ("audio", False), "v2t": ("video", False), "vf2t": ("video file", False),
-    "t2s": ("text", True), "i2s": ("image", True), "s2s": ("audio", True), "mixed2s": ("mixed", True),
+    "vs2t": ("video sound", False), "t2s": ("text", True), "i2s": ("image", True), "s2s": ("audio", True),
+    "vf2s": ("video file", True), "vs2s": ("video sound", True), "mixed2s": ("mixed", True),
+    "vsmixed2s": ("video sound mixed", True),
 }
 
 

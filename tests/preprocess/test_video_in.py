@@ -105,6 +105,38 @@ def test_a_silent_clip_has_no_soundtrack(pre, clips):
     assert pre.video_file(clips["webm vp9"], 0.0).soundtrack is None
 
 
+@pytest.mark.parametrize("name", ["mp4 h264 aac", "webm vp9 opus"])
+def test_a_video_heard_is_its_frames_then_its_soundtrack_as_audio(pre, clips, name):
+    """use_audio_in_video: the video's features, marked, then its soundtrack's log-mel as an audio file's would be
+    (WhisperFeatureExtractor on the samples the same file gives as audio)."""
+    from omni.stage.v1 import preprocess_pb2
+    from omni.v1 import omni_pb2
+    from services.preprocess.server import prepare
+
+    item = preprocess_pb2.MediaItem(video=omni_pb2.Video(file=clips[name], use_audio_in_video=True))
+    video, sound = prepare(pre, 0, item)
+    plain = pre.video_file(clips[name], 0.0)
+    assert video.kind == "video" and video.with_audio and np.array_equal(video.values, plain.values)
+    pcm = decode_file(clips[name], 16000, 20, "audio")
+    mel = pre.audio([pcm], sampling_rate=16000, padding=True, truncation=False, return_attention_mask=True, return_tensors="np")
+    assert sound.kind == "audio" and sound.feature_length == int(mel["attention_mask"][0].sum())
+    np.testing.assert_array_equal(sound.values, mel["input_features"][0][:, :sound.feature_length])
+    assert not prepare(pre, 0, preprocess_pb2.MediaItem(video=omni_pb2.Video(file=clips[name])))[0].with_audio
+
+
+def test_a_silent_clip_cannot_be_heard(pre, clips):
+    from omni.stage.v1 import preprocess_pb2
+    from omni.v1 import omni_pb2
+    from services.preprocess.server import prepare
+
+    item = preprocess_pb2.MediaItem(video=omni_pb2.Video(file=clips["webm vp9"], use_audio_in_video=True))
+    with pytest.raises(InvalidArgument, match="media item 2: use_audio_in_video is set, but the video file has no audio stream"):
+        prepare(pre, 2, item)
+    frames = preprocess_pb2.MediaItem(video=omni_pb2.Video(frames=[omni_pb2.Image(data=b"x")], use_audio_in_video=True))
+    with pytest.raises(InvalidArgument, match="media item 2: use_audio_in_video needs a video file"):
+        prepare(pre, 2, frames)
+
+
 def test_fps_samples_the_file(pre, clips):
     assert pre.video_file(clips["mp4 h264"], 4.0).grid_thw[0] == 4  # 8 frames of 2 s
     with pytest.raises(InvalidArgument, match="media item 0: fps must be in"):

@@ -53,6 +53,14 @@ def thinker_cases(cfg) -> dict:
             getattr(r, k).extend(v) if isinstance(v, list) else setattr(r, k, v)
         return r
 
+    from services.model.spec import OmniSpec
+
+    hidden = OmniSpec.load(cfg.model.dir).thinker_hidden
+    rows = tensor_pb2.TensorRef(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[3, hidden], inline_data=bytes(12 * hidden))
+
+    def runs(*pairs):  # three rows of embeddings laid over the prompt in runs
+        return edit(req(), spans=[thinker_pb2.MultimodalSpan(embeds=rows, runs=list(pairs))])
+
     return {
         "temperature NaN": (req(temperature=math.nan), "sampling.temperature"),
         "temperature inf": (req(temperature=math.inf), "sampling.temperature"),
@@ -78,6 +86,10 @@ def thinker_cases(cfg) -> dict:
         "positions NaN": (edit(req(), positions=[math.nan] * (3 * len(ids))), "positions must be finite"),
         "rope_delta NaN": (edit(req(), rope_delta=math.nan), "rope_delta"),
         "embed_token_ids past the vocabulary": (edit(req(), embed_token_ids=[vocab + 1]), "embed_token_ids must lie in"),
+        "span runs not pairs": (runs(0, 2, 3), "span runs must be (offset, rows) pairs"),
+        "span run past the prompt": (runs(0, 1, len(ids) + 5, 2), "span runs must be (offset, rows) pairs within the prompt"),
+        "span runs short of its rows": (runs(0, 1, 2, 1), "span runs cover 2 rows of 3"),
+        "span run off the prompt's end": (runs(0, 1, len(ids) - 1, 2), "does not fit a prompt"),
     }
 
 

@@ -27,7 +27,7 @@ from omni.stage.v1 import common_pb2 as omni_dot_stage_dot_v1_dot_common__pb2
 from omni.stage.v1 import tensor_pb2 as omni_dot_stage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eomni/stage/v1/preprocess.proto\x12\romni.stage.v1\x1a\x12omni/v1/omni.proto\x1a\x1aomni/stage/v1/common.proto\x1a\x1aomni/stage/v1/tensor.proto\"y\n\tMediaItem\x12\x1f\n\x05image\x18\x01 \x01(\x0b\x32\x0e.omni.v1.ImageH\x00\x12\x1f\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x0e.omni.v1.AudioH\x00\x12\x1f\n\x05video\x18\x03 \x01(\x0b\x32\x0e.omni.v1.VideoH\x00\x42\t\n\x07\x63ontent\"}\n\x11PreprocessRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.omni.stage.v1.MediaItem\x12+\n\tplacement\x18\x03 \x01(\x0b\x32\x18.omni.stage.v1.Placement\"\xb3\x01\n\x08\x46\x65\x61tures\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.omni.stage.v1.MediaKind\x12(\n\x06values\x18\x02 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\x12\x10\n\x08grid_thw\x18\x03 \x03(\x05\x12\x16\n\x0e\x66\x65\x61ture_length\x18\x04 \x01(\x05\x12\x17\n\x0fsecond_per_grid\x18\x05 \x01(\x02\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\"d\n\x12PreprocessResponse\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.omni.stage.v1.Features\x12&\n\x07timings\x18\x02 \x03(\x0b\x32\x15.omni.stage.v1.Timing2\\\n\nPreprocess\x12N\n\x07Process\x12 .omni.stage.v1.PreprocessRequest\x1a!.omni.stage.v1.PreprocessResponseBV\n\x1a\x64\x65v.omnimesh.omni.stage.v1P\x01Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eomni/stage/v1/preprocess.proto\x12\romni.stage.v1\x1a\x12omni/v1/omni.proto\x1a\x1aomni/stage/v1/common.proto\x1a\x1aomni/stage/v1/tensor.proto\"y\n\tMediaItem\x12\x1f\n\x05image\x18\x01 \x01(\x0b\x32\x0e.omni.v1.ImageH\x00\x12\x1f\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x0e.omni.v1.AudioH\x00\x12\x1f\n\x05video\x18\x03 \x01(\x0b\x32\x0e.omni.v1.VideoH\x00\x42\t\n\x07\x63ontent\"}\n\x11PreprocessRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.omni.stage.v1.MediaItem\x12+\n\tplacement\x18\x03 \x01(\x0b\x32\x18.omni.stage.v1.Placement\"\xe6\x01\n\x08\x46\x65\x61tures\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.omni.stage.v1.MediaKind\x12(\n\x06values\x18\x02 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\x12\x10\n\x08grid_thw\x18\x03 \x03(\x05\x12\x16\n\x0e\x66\x65\x61ture_length\x18\x04 \x01(\x05\x12\x17\n\x0fsecond_per_grid\x18\x05 \x01(\x02\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x12\n\nwith_audio\x18\x07 \x01(\x08\x12\x1d\n\x15\x65xact_second_per_grid\x18\x08 \x01(\x01\"d\n\x12PreprocessResponse\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.omni.stage.v1.Features\x12&\n\x07timings\x18\x02 \x03(\x0b\x32\x15.omni.stage.v1.Timing2\\\n\nPreprocess\x12N\n\x07Process\x12 .omni.stage.v1.PreprocessRequest\x1a!.omni.stage.v1.PreprocessResponseBV\n\x1a\x64\x65v.omnimesh.omni.stage.v1P\x01Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,9 +40,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPROCESSREQUEST']._serialized_start=248
   _globals['_PREPROCESSREQUEST']._serialized_end=373
   _globals['_FEATURES']._serialized_start=376
-  _globals['_FEATURES']._serialized_end=555
-  _globals['_PREPROCESSRESPONSE']._serialized_start=557
-  _globals['_PREPROCESSRESPONSE']._serialized_end=657
-  _globals['_PREPROCESS']._serialized_start=659
-  _globals['_PREPROCESS']._serialized_end=751
+  _globals['_FEATURES']._serialized_end=606
+  _globals['_PREPROCESSRESPONSE']._serialized_start=608
+  _globals['_PREPROCESSRESPONSE']._serialized_end=708
+  _globals['_PREPROCESS']._serialized_start=710
+  _globals['_PREPROCESS']._serialized_end=802
 # @@protoc_insertion_point(module_scope)

@@ -30,20 +30,24 @@ class PreprocessRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., placement: _Optional[_Union[_tensor_pb2.Placement, _Mapping]] = ...) -> None: ...
 
 class Features(_message.Message):
-    __slots__ = ("kind", "values", "grid_thw", "feature_length", "second_per_grid", "num_tokens")
+    __slots__ = ("kind", "values", "grid_thw", "feature_length", "second_per_grid", "num_tokens", "with_audio", "exact_second_per_grid")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SECOND_PER_GRID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WITH_AUDIO_FIELD_NUMBER: _ClassVar[int]
+    EXACT_SECOND_PER_GRID_FIELD_NUMBER: _ClassVar[int]
     kind: _common_pb2.MediaKind
     values: _tensor_pb2.TensorRef
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     feature_length: int
     second_per_grid: float
     num_tokens: int
-    def __init__(self, kind: _Optional[_Union[_common_pb2.MediaKind, str]] = ..., values: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., feature_length: _Optional[int] = ..., second_per_grid: _Optional[float] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    with_audio: bool
+    exact_second_per_grid: float
+    def __init__(self, kind: _Optional[_Union[_common_pb2.MediaKind, str]] = ..., values: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., feature_length: _Optional[int] = ..., second_per_grid: _Optional[float] = ..., num_tokens: _Optional[int] = ..., with_audio: _Optional[bool] = ..., exact_second_per_grid: _Optional[float] = ...) -> None: ...
 
 class PreprocessResponse(_message.Message):
     __slots__ = ("items", "timings")

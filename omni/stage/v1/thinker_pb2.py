@@ -26,7 +26,7 @@ from omni.stage.v1 import common_pb2 as omni_dot_stage_dot_v1_dot_common__pb2
 from omni.stage.v1 import tensor_pb2 as omni_dot_stage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bomni/stage/v1/thinker.proto\x12\romni.stage.v1\x1a\x1aomni/stage/v1/common.proto\x1a\x1aomni/stage/v1/tensor.proto\"w\n\x0eMultimodalSpan\x12\x0e\n\x06offset\x18\x01 \x01(\x05\x12(\n\x06\x65mbeds\x18\x02 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\x12+\n\tdeepstack\x18\x03 \x03(\x0b\x32\x18.omni.stage.v1.TensorRef\"\x95\x02\n\x0eThinkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x11\n\tpositions\x18\x03 \x03(\x02\x12\x12\n\nrope_delta\x18\x04 \x01(\x02\x12,\n\x05spans\x18\x05 \x03(\x0b\x32\x1d.omni.stage.v1.MultimodalSpan\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.omni.stage.v1.Sampling\x12\x15\n\rreturn_states\x18\x07 \x01(\x08\x12+\n\tplacement\x18\x08 \x01(\x0b\x32\x18.omni.stage.v1.Placement\x12\x17\n\x0f\x65mbed_token_ids\x18\t \x03(\x05\"\x86\x02\n\rThinkerOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bstate_start\x18\x02 \x01(\x05\x12(\n\x06states\x18\x03 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\x12.\n\x0bstop_reason\x18\x05 \x01(\x0e\x32\x19.omni.stage.v1.StopReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12&\n\x07timings\x18\x07 \x03(\x0b\x32\x15.omni.stage.v1.Timing\x12.\n\x0ctoken_embeds\x18\x08 \x01(\x0b\x32\x18.omni.stage.v1.TensorRefJ\x04\x08\x04\x10\x05*V\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTOP_REASON_EOS\x10\x01\x12\x16\n\x12STOP_REASON_LENGTH\x10\x02\x32T\n\x07Thinker\x12I\n\x08Generate\x12\x1d.omni.stage.v1.ThinkerRequest\x1a\x1c.omni.stage.v1.ThinkerOutput0\x01\x42V\n\x1a\x64\x65v.omnimesh.omni.stage.v1P\x01Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bomni/stage/v1/thinker.proto\x12\romni.stage.v1\x1a\x1aomni/stage/v1/common.proto\x1a\x1aomni/stage/v1/tensor.proto\"\x85\x01\n\x0eMultimodalSpan\x12\x0e\n\x06offset\x18\x01 \x01(\x05\x12(\n\x06\x65mbeds\x18\x02 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\x12+\n\tdeepstack\x18\x03 \x03(\x0b\x32\x18.omni.stage.v1.TensorRef\x12\x0c\n\x04runs\x18\x04 \x03(\x05\"\x95\x02\n\x0eThinkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x11\n\tpositions\x18\x03 \x03(\x02\x12\x12\n\nrope_delta\x18\x04 \x01(\x02\x12,\n\x05spans\x18\x05 \x03(\x0b\x32\x1d.omni.stage.v1.MultimodalSpan\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.omni.stage.v1.Sampling\x12\x15\n\rreturn_states\x18\x07 \x01(\x08\x12+\n\tplacement\x18\x08 \x01(\x0b\x32\x18.omni.stage.v1.Placement\x12\x17\n\x0f\x65mbed_token_ids\x18\t \x03(\x05\"\x86\x02\n\rThinkerOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bstate_start\x18\x02 \x01(\x05\x12(\n\x06states\x18\x03 \x01(\x0b\x32\x18.omni.stage.v1.TensorRef\x12.\n\x0bstop_reason\x18\x05 \x01(\x0e\x32\x19.omni.stage.v1.StopReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12&\n\x07timings\x18\x07 \x03(\x0b\x32\x15.omni.stage.v1.Timing\x12.\n\x0ctoken_embeds\x18\x08 \x01(\x0b\x32\x18.omni.stage.v1.TensorRefJ\x04\x08\x04\x10\x05*V\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTOP_REASON_EOS\x10\x01\x12\x16\n\x12STOP_REASON_LENGTH\x10\x02\x32T\n\x07Thinker\x12I\n\x08Generate\x12\x1d.omni.stage.v1.ThinkerRequest\x1a\x1c.omni.stage.v1.ThinkerOutput0\x01\x42V\n\x1a\x64\x65v.omnimesh.omni.stage.v1P\x01Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,14 +34,14 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omni.stage.v1.thinker_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\032dev.omnimesh.omni.stage.v1P\001Z6github.com/omni-mesh/omni/gen/go/omni/stage/v1;stagev1'
-  _globals['_STOPREASON']._serialized_start=768
-  _globals['_STOPREASON']._serialized_end=854
-  _globals['_MULTIMODALSPAN']._serialized_start=102
-  _globals['_MULTIMODALSPAN']._serialized_end=221
-  _globals['_THINKERREQUEST']._serialized_start=224
-  _globals['_THINKERREQUEST']._serialized_end=501
-  _globals['_THINKEROUTPUT']._serialized_start=504
-  _globals['_THINKEROUTPUT']._serialized_end=766
-  _globals['_THINKER']._serialized_start=856
-  _globals['_THINKER']._serialized_end=940
+  _globals['_STOPREASON']._serialized_start=783
+  _globals['_STOPREASON']._serialized_end=869
+  _globals['_MULTIMODALSPAN']._serialized_start=103
+  _globals['_MULTIMODALSPAN']._serialized_end=236
+  _globals['_THINKERREQUEST']._serialized_start=239
+  _globals['_THINKERREQUEST']._serialized_end=516
+  _globals['_THINKEROUTPUT']._serialized_start=519
+  _globals['_THINKEROUTPUT']._serialized_end=781
+  _globals['_THINKER']._serialized_start=871
+  _globals['_THINKER']._serialized_end=955
 # @@protoc_insertion_point(module_scope)

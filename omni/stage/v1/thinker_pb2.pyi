@@ -19,14 +19,16 @@ STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
 
 class MultimodalSpan(_message.Message):
-    __slots__ = ("offset", "embeds", "deepstack")
+    __slots__ = ("offset", "embeds", "deepstack", "runs")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     EMBEDS_FIELD_NUMBER: _ClassVar[int]
     DEEPSTACK_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     offset: int
     embeds: _tensor_pb2.TensorRef
     deepstack: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorRef]
-    def __init__(self, offset: _Optional[int] = ..., embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., deepstack: _Optional[_Iterable[_Union[_tensor_pb2.TensorRef, _Mapping]]] = ...) -> None: ...
+    runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., embeds: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., deepstack: _Optional[_Iterable[_Union[_tensor_pb2.TensorRef, _Mapping]]] = ..., runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "positions", "rope_delta", "spans", "sampling", "return_states", "placement", "embed_token_ids")
