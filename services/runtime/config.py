@@ -122,6 +122,14 @@ class GatewayConfig(StageConfig):
     routing: Literal["modality", "least_loaded", "fixed"] = "modality"
     """Encoder and thinker replicas by the request's output modality (`prefer_for`) then load, by load, or by
     modality however busy."""
+    session_context_tokens: int = 0
+    """Tokens of earlier turns a Converse session keeps; past it the oldest turns are dropped. 0: half the context."""
+    vad_aggressiveness: int = 2
+    """Turn detection's voice-activity detector (WebRTC's): 0 takes the most frames for speech, 3 the fewest."""
+    vad_speech_ms: int = 150
+    """Speech that starts a turn (and interrupts an answer): shorter sounds are not speech."""
+    vad_silence_ms: int = 500
+    """Silence after speech that commits the turn."""
 
 
 @dataclass
@@ -227,6 +235,10 @@ class MeshConfig:
             raise ConfigError(f"talker.chunks must be positive frame counts, not {self.talker.chunks}")
         if self.preprocess.workers < 1:
             raise ConfigError("preprocess.workers must be at least 1")
+        g = self.gateway
+        if not 0 <= g.vad_aggressiveness <= 3 or g.vad_speech_ms < 10 or g.vad_silence_ms < 10 or g.session_context_tokens < 0:
+            raise ConfigError("gateway: vad_aggressiveness must be 0 to 3, vad_speech_ms and vad_silence_ms at least 10, "
+                              "session_context_tokens >= 0")
         if any(not k for k in self.security.keys):
             raise ConfigError("security.keys: an empty key would let any client in")
         if self.security.dir is not None:
