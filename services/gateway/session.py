@@ -13,7 +13,7 @@ import grpc
 from omni.v1 import omni_pb2
 from services.gateway.orchestrator import SAMPLE_RATE, Outbox
 from services.gateway.validate import resolve
-from services.gateway.vad import RATE, InputAudio, TurnDetector
+from services.gateway.vad import FRAME_MS, RATE, InputAudio, TurnDetector
 from services.model.spec import audio_tokens
 from services.runtime.errors import FailedPrecondition, InvalidArgument, OmniError, ResourceExhausted
 from services.runtime.metrics import BadMessage
@@ -156,7 +156,9 @@ class Session:
             raise FailedPrecondition("the input format cannot change while input audio is buffered: commit or clear it first")
         audio = self.input if same_input else InputAudio(s.input_encoding, rate)
         detector = None
-        if s.turn_detection.enabled:
+        if s.turn_detection == self.settings.turn_detection:  # mid-speech, a new detector would miss its end
+            detector = self.detector
+        elif s.turn_detection.enabled:
             g, t = self.gw.cfg.gateway, s.turn_detection
             detector = TurnDetector(t.aggressiveness if t.HasField("aggressiveness") else g.vad_aggressiveness,
                                     t.speech_ms if t.HasField("speech_ms") else g.vad_speech_ms,
@@ -188,7 +190,7 @@ class Session:
                 self._emit(speech_stopped=omni_pb2.SpeechStopped(audio_end_seconds=at))
                 await self._on_commit(omni_pb2.Commit())
         if not self.detector.speaking:  # only what could become the start of speech is kept
-            self._trim(self.heard - PREROLL_S - self.detector.start_window.maxlen * 0.03)
+            self._trim(self.heard - PREROLL_S - self.detector.start_window.maxlen * FRAME_MS / 1000)
 
     def _trim(self, start: float) -> None:
         cut = int(max(0.0, start - self.buffer_start) * RATE) * 2
