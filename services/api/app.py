@@ -1,17 +1,18 @@
-"""The OpenAI-compatible HTTP app: /v1/models, /v1/chat/completions, /v1/audio/speech, /health and /metrics, each
-request translated into one call of the public gRPC API (the gateway stays the only orchestrator)."""
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/chat/completions, /v1/audio/speech, /v1/realtime (a WebSocket),
+/health and /metrics, each request translated into one call of the public gRPC API (the gateway stays the only
+orchestrator)."""
 
 import contextlib
 import json
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from services.api import chat, speech
+from services.api import chat, realtime, speech
 from services.api.audio_store import AudioStore
 from services.api.errors import ApiError, bad, from_validation
 from services.api.guard import Guard
@@ -118,6 +119,10 @@ def create_app(cfg: MeshConfig) -> FastAPI:
         call = upstream.generate(gen)
         first = await unless_gone(request, call, speech.first_audio(call))
         return speech.reply(req, first, call)
+
+    @app.websocket("/v1/realtime")
+    async def realtime_session(ws: WebSocket):
+        await realtime.serve(ws, upstream, [k.encode() for k in cfg.security.keys])
 
     # Outermost first: every answer is counted, the refused ones too.
     app.add_middleware(Guard, keys=cfg.security.keys, max_body=max_body_bytes(cfg))

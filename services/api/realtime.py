@@ -1,0 +1,326 @@
+"""/v1/realtime: OpenAI's Realtime protocol on a WebSocket, one Converse session of the gateway behind each, events
+translated both ways. PCM16 at 24 kHz in and out, or G.711 at 8 kHz; the gateway resamples what it hears."""
+
+import asyncio
+import base64
+import binascii
+import copy
+import itertools
+import json
+import uuid
+
+import av
+import grpc
+import numpy as np
+from pydantic import ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from omni.v1 import omni_pb2
+from services.api import g711
+from services.api.errors import ApiError, bad
+from services.api.media import data_url
+from services.api.schema import Sampling
+from services.api.translate import _sampling
+from services.runtime.security import key_matches
+
+PCM_RATE = 24000
+FORMATS = {"audio/pcm": None, "audio/pcmu": "mulaw", "audio/pcma": "alaw"}
+LEGACY_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
+STATUS = {omni_pb2.TURN_STATUS_COMPLETED: ("completed", None), omni_pb2.TURN_STATUS_CANCELLED: ("cancelled", "client_cancelled"),
+          omni_pb2.TURN_STATUS_INTERRUPTED: ("cancelled", "turn_detected"), omni_pb2.TURN_STATUS_FAILED: ("failed", "error")}
+DEFAULT_SILENCE_MS = 500
+
+
+def _format(value, where: str) -> str:
+    kind = value.get("type") if isinstance(value, dict) else LEGACY_FORMATS.get(value, value)
+    if kind not in FORMATS:
+        raise bad(f"{where}: unsupported audio format {kind!r}; this server takes {', '.join(FORMATS)}", where, "invalid_value")
+    if kind == "audio/pcm" and isinstance(value, dict) and value.get("rate", PCM_RATE) != PCM_RATE:
+        raise bad(f"{where}: audio/pcm is at {PCM_RATE} Hz, not {value.get('rate')}", where, "invalid_value")
+    return kind
+
+
+class Config:
+    """The session as the client configured it, merged over each session.update, and its Converse settings."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.audio_out = True
+        self.instructions = ""
+        self.voice = ""
+        self.input_format = self.output_format = "audio/pcm"
+        self.vad: dict | None = {"type": "server_vad", "silence_duration_ms": DEFAULT_SILENCE_MS}
+        self.max_tokens: int | None = None
+        # Extensions, as the chat door names them: the text's sampling beyond OpenAI's, and the speech's
+        self.sampling, self.talker = Sampling(), Sampling()
+
+    def update(self, s: dict) -> None:
+        if not isinstance(s, dict):
+            raise bad("session.update: session must be an object", "session", "invalid_value")
+        mods = s.get("output_modalities", s.get("modalities"))
+        if mods is not None:
+            if not isinstance(mods, list) or not set(mods) <= {"text", "audio"} or not mods:
+                raise bad("session.output_modalities: a list of 'text' and 'audio'", "session.output_modalities", "invalid_value")
+            self.audio_out = "audio" in mods
+        if "instructions" in s:
+            self.instructions = str(s["instructions"] or "")
+        audio = s.get("audio") or {}
+        inp, out = audio.get("input") or {}, audio.get("output") or {}
+        if "format" in inp or "input_audio_format" in s:
+            self.input_format = _format(inp.get("format", s.get("input_audio_format")), "session.audio.input.format")
+        if "format" in out or "output_audio_format" in s:
+            self.output_format = _format(out.get("format", s.get("output_audio_format")), "session.audio.output.format")
+        if "voice" in out or "voice" in s:
+            self.voice = str(out.get("voice", s.get("voice")) or "")
+        if "turn_detection" in inp or "turn_detection" in s:
+            vad = inp.get("turn_detection", s.get("turn_detection"))
+            if vad is not None and (not isinstance(vad, dict) or vad.get("type", "server_vad") != "server_vad"):
+                raise bad("session.audio.input.turn_detection: only server_vad (or null, the client commits) is served",
+                          "session.audio.input.turn_detection", "invalid_value")
+            self.vad = vad
+        if "max_output_tokens" in s or "max_response_output_tokens" in s:
+            n = s.get("max_output_tokens", s.get("max_response_output_tokens"))
+            if n not in (None, "inf") and (not isinstance(n, int) or n < 1):
+                raise bad(f"session.max_output_tokens: a positive integer or 'inf', got {n!r}", "session.max_output_tokens", "invalid_value")
+            self.max_tokens = None if n in (None, "inf") else n
+        for key in ("sampling", "talker"):
+            if key in s:
+                try:
+                    setattr(self, key, Sampling.model_validate(s[key] or {}))
+                except ValidationError as e:
+                    raise bad(f"session.{key}: {e.errors()[0]['msg']} at {e.errors()[0]['loc']}", f"session.{key}", "invalid_value") from None
+
+    def settings(self) -> omni_pb2.SessionSettings:
+        law = FORMATS[self.input_format]
+        s = omni_pb2.SessionSettings(
+            output_modalities=[omni_pb2.MODALITY_TEXT] + ([omni_pb2.MODALITY_AUDIO] if self.audio_out else []),
+            voice=self.voice, instructions=self.instructions, input_encoding=omni_pb2.PCM_ENCODING_S16LE,
+            input_sample_rate=g711.RATE if law else PCM_RATE, audio_format=omni_pb2.AUDIO_FORMAT_PCM16)
+        _sampling(s.sampling, self.sampling, "session.sampling.")
+        _sampling(s.talker_sampling, self.talker, "session.talker.")
+        if self.max_tokens is not None:
+            s.sampling.max_tokens = self.max_tokens
+        if self.vad is not None:
+            t = s.turn_detection
+            t.enabled = True
+            t.silence_ms = int(self.vad.get("silence_duration_ms", DEFAULT_SILENCE_MS))
+            if "threshold" in self.vad:  # OpenAI's 0..1 (higher: fewer frames are speech) on WebRTC's 0..3
+                t.aggressiveness = min(3, max(0, int(float(self.vad["threshold"]) * 4)))
+        return s
+
+    def describe(self, session_id: str) -> dict:
+        fmt = lambda kind: {"type": kind, "rate": PCM_RATE if kind == "audio/pcm" else g711.RATE}  # noqa: E731
+        return {
+            "type": "realtime", "object": "realtime.session", "id": session_id, "model": self.model,
+            "output_modalities": ["audio"] if self.audio_out else ["text"], "instructions": self.instructions,
+            "max_output_tokens": "inf" if self.max_tokens is None else self.max_tokens,
+            "audio": {"input": {"format": fmt(self.input_format), "turn_detection": self.vad},
+                      "output": {"format": fmt(self.output_format), "voice": self.voice or None}},
+        }
+
+
+class Bridge:
+    """One WebSocket and its Converse call."""
+
+    def __init__(self, ws: WebSocket, call, model: str):
+        self.ws, self.call, self.cfg = ws, call, Config(model)
+        self.ids = itertools.count()
+        self.session_id = ""
+        self.sessions = 0  # session events seen: the gateway's first is before our settings
+        self.item = ""  # the user item being built
+        self.resampler = None  # 24 kHz -> 8 kHz for a G.711 answer, one per response
+
+    def event_id(self) -> str:
+        return f"event_{next(self.ids)}"
+
+    async def send(self, type: str, **fields) -> None:
+        await self.ws.send_text(json.dumps({"type": type, "event_id": self.event_id(), **fields}))
+
+    async def error(self, e: ApiError, event_id: str | None = None) -> None:
+        await self.send("error", error={"type": e.type, "code": e.code, "message": e.message, "param": e.param,
+                                        "event_id": event_id})
+
+    def user_item(self) -> str:
+        self.item = self.item or f"item_{uuid.uuid4().hex[:16]}"
+        return self.item
+
+    async def from_client(self) -> None:
+        while True:
+            text = await self.ws.receive_text()
+            event_id = None
+            try:
+                try:
+                    event = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise bad(f"the event is not valid JSON: {e}", code="invalid_json") from None
+                if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                    raise bad("an event is a JSON object with a string `type`", "type", "invalid_event")
+                event_id = event.get("event_id")
+                for req in self.translate(event):
+                    await self.call.write(req)
+            except ApiError as e:
+                await self.error(e, event_id)
+
+    def translate(self, event: dict) -> list[omni_pb2.ConverseRequest]:
+        kind = event["type"]
+        if kind == "session.update":
+            cfg = copy.deepcopy(self.cfg)  # all of the update or none of it
+            cfg.update(event.get("session"))
+            cfg.settings()
+            self.cfg = cfg
+            return [omni_pb2.ConverseRequest(settings=self.cfg.settings())]
+        if kind == "input_audio_buffer.append":
+            return [omni_pb2.ConverseRequest(audio=self.audio_in(event.get("audio"), "audio"))]
+        if kind == "input_audio_buffer.commit":
+            return [omni_pb2.ConverseRequest(commit=omni_pb2.Commit(hold=True))]
+        if kind == "input_audio_buffer.clear":
+            self.item = ""
+            return [omni_pb2.ConverseRequest(clear=omni_pb2.Clear())]
+        if kind == "conversation.item.create":
+            return [omni_pb2.ConverseRequest(item=self.message(event.get("item"))),
+                    omni_pb2.ConverseRequest(commit=omni_pb2.Commit(hold=True))]
+        if kind == "response.create":
+            return [omni_pb2.ConverseRequest(commit=omni_pb2.Commit())]
+        if kind == "response.cancel":
+            return [omni_pb2.ConverseRequest(cancel=omni_pb2.Cancel())]
+        raise bad(f"unknown or unsupported event type {kind!r}", "type", "invalid_event")
+
+    def audio_in(self, data, where: str) -> bytes:
+        if not isinstance(data, str):
+            raise bad(f"{where}: base64 audio is required", where, "invalid_value")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad(f"{where}: not valid base64", where, "invalid_base64") from None
+        law = FORMATS[self.cfg.input_format]
+        return g711.decode(raw, law) if law else raw
+
+    def message(self, item) -> omni_pb2.Message:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise bad("item: only message items are served", "item.type", "invalid_value")
+        if item.get("role", "user") != "user":
+            raise bad(f"item.role: {item.get('role')!r} items are not served; instructions go in session.update",
+                      "item.role", "invalid_value")
+        parts = []
+        for i, c in enumerate(item.get("content") or []):
+            where, kind = f"item.content[{i}]", c.get("type") if isinstance(c, dict) else None
+            if kind in ("input_text", "text"):
+                parts.append(omni_pb2.Part(text=str(c.get("text", ""))))
+            elif kind == "input_audio":
+                rate = g711.RATE if FORMATS[self.cfg.input_format] else PCM_RATE
+                parts.append(omni_pb2.Part(audio=omni_pb2.Audio(pcm=omni_pb2.RawPcm(
+                    data=self.audio_in(c.get("audio"), where + ".audio"), sample_rate=rate, encoding=omni_pb2.PCM_ENCODING_S16LE))))
+            elif kind == "input_image":
+                url = c.get("image_url")
+                if not isinstance(url, str):
+                    raise bad(f"{where}.image_url: a data URL is required", where + ".image_url", "invalid_value")
+                parts.append(omni_pb2.Part(image=omni_pb2.Image(data=data_url(url, where + ".image_url"))))
+            else:
+                raise bad(f"{where}: unsupported content type {kind!r} (input_text, input_audio, input_image)", where, "invalid_value")
+        if not parts:
+            raise bad("item.content is empty", "item.content", "invalid_value")
+        return omni_pb2.Message(role=omni_pb2.ROLE_USER, parts=parts)
+
+    def audio_out(self, pcm16: bytes) -> bytes:
+        law = FORMATS[self.cfg.output_format]
+        if not law:
+            return pcm16
+        if self.resampler is None:
+            self.resampler = av.AudioResampler(format="s16", layout="mono", rate=g711.RATE)
+        frame = av.AudioFrame.from_ndarray(np.frombuffer(pcm16, "<i2").reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = PCM_RATE
+        return g711.encode(b"".join(f.to_ndarray().tobytes() for f in self.resampler.resample(frame)), law)
+
+    async def to_client(self) -> None:
+        async for r in self.call:
+            await self.forward(r)
+
+    async def forward(self, r: omni_pb2.ConverseResponse) -> None:
+        kind = r.WhichOneof("event")
+        rid, item = f"resp_{r.turn_id}", f"item_{r.turn_id}_out"
+        out = {"response_id": rid, "item_id": item, "output_index": 0, "content_index": 0}
+        if kind == "session":
+            self.session_id, self.sessions = r.session.session_id, self.sessions + 1
+            if self.sessions > 1:
+                await self.send("session.created" if self.sessions == 2 else "session.updated", session=self.cfg.describe(self.session_id))
+        elif kind == "speech_started":
+            await self.send("input_audio_buffer.speech_started", item_id=self.user_item(),
+                            audio_start_ms=round(r.speech_started.audio_start_seconds * 1000))
+        elif kind == "speech_stopped":
+            await self.send("input_audio_buffer.speech_stopped", item_id=self.user_item(),
+                            audio_end_ms=round(r.speech_stopped.audio_end_seconds * 1000))
+        elif kind == "committed":
+            item_id, self.item = self.user_item(), ""
+            await self.send("input_audio_buffer.committed", item_id=item_id, previous_item_id=None)
+            await self.send("conversation.item.added", previous_item_id=None, item={
+                "id": item_id, "type": "message", "role": "user", "status": "completed", "content": []})
+        elif kind == "started":
+            self.resampler = None
+            await self.send("response.created", response={"id": rid, "object": "realtime.response", "status": "in_progress",
+                                                          "output": [], "conversation_id": self.session_id})
+        elif kind == "text":
+            name = "response.output_audio_transcript.delta" if self.cfg.audio_out else "response.output_text.delta"
+            if r.text.text:
+                await self.send(name, delta=r.text.text, **out)
+        elif kind == "audio":
+            if r.audio.data:
+                await self.send("response.output_audio.delta", delta=base64.b64encode(self.audio_out(r.audio.data)).decode(), **out)
+        elif kind == "done":
+            await self.done(r, rid, item)
+        elif kind == "cleared":
+            await self.send("input_audio_buffer.cleared")
+        elif kind == "error":
+            e = r.error
+            await self.send("error", error={"type": "invalid_request_error", "code": e.code.lower(), "message": e.message,
+                                            "param": None, "event_id": None})
+
+    async def done(self, r: omni_pb2.ConverseResponse, rid: str, item: str) -> None:
+        d = r.done
+        status, reason = STATUS.get(d.status, ("failed", "error"))
+        content = {"type": "output_audio", "transcript": d.transcript} if self.cfg.audio_out else {"type": "output_text", "text": d.transcript}
+        u = d.usage
+        await self.send("response.done", response={
+            "id": rid, "object": "realtime.response", "status": status, "conversation_id": self.session_id,
+            "status_details": None if reason is None else {"type": status, "reason": reason},
+            "output": [{"id": item, "type": "message", "role": "assistant", "status": "completed", "content": [content]}],
+            "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                      "total_tokens": u.prompt_tokens + u.completion_tokens},
+        })
+
+
+async def serve(ws: WebSocket, upstream, keys: list[bytes]) -> None:
+    """One WebSocket's session, ended (and every stage let go of it) when either side leaves."""
+    if (why := key_matches(keys, ws.headers.get("authorization"))) is not None:
+        await ws.close(code=1008, reason=why[:120])
+        return
+    await ws.accept()
+    try:
+        info = await upstream.info()
+    except ApiError as e:
+        await ws.send_text(json.dumps({"type": "error", "error": e.body()["error"]}))
+        await ws.close(code=1011)
+        return
+    model = ws.query_params.get("model") or info.model
+    if model != info.model:
+        await ws.send_text(json.dumps({"type": "error", "error": {"type": "invalid_request_error", "code": "model_not_found",
+                                                                  "message": f"The model `{model}` does not exist.", "param": "model"}}))
+        await ws.close(code=1008)
+        return
+    call = upstream.stub.Converse(metadata=upstream.metadata)
+    bridge = Bridge(ws, call, info.model)
+    await call.write(omni_pb2.ConverseRequest(settings=bridge.cfg.settings()))
+    tasks = [asyncio.create_task(bridge.from_client()), asyncio.create_task(bridge.to_client())]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t.exception() is not None and not isinstance(t.exception(), (WebSocketDisconnect, grpc.aio.AioRpcError)):
+                raise t.exception()
+    finally:
+        call.cancel()
+        for t in tasks:
+            t.cancel()
+        if not any(isinstance(t.exception(), WebSocketDisconnect) for t in tasks if t.done() and not t.cancelled()):
+            try:
+                await ws.close()
+            except RuntimeError:  # already closed by the client
+                pass
