@@ -1,16 +1,18 @@
 """The OpenAI-compatible HTTP app: /v1/models, /v1/chat/completions, /v1/audio/speech, /v1/realtime (a WebSocket),
 /health and /metrics, each request translated into one call of the public gRPC API (the gateway stays the only
-orchestrator)."""
+orchestrator); and the browser page at /."""
 
 import contextlib
 import json
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request, WebSocket
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.staticfiles import StaticFiles
 
 from services.api import chat, realtime, speech
 from services.api.audio_store import AudioStore
@@ -24,6 +26,7 @@ from services.api.upstream import Gone, Upstream, next_event, unless_gone
 from services.runtime.config import MeshConfig
 
 OWNER = "omni-mesh"
+PAGE = Path(__file__).with_name("static")  # the browser page: plain files, no build step
 
 
 def max_body_bytes(cfg: MeshConfig) -> int:
@@ -123,6 +126,8 @@ def create_app(cfg: MeshConfig) -> FastAPI:
     @app.websocket("/v1/realtime")
     async def realtime_session(ws: WebSocket):
         await realtime.serve(ws, upstream, [k.encode() for k in cfg.security.keys])
+
+    app.mount("/", StaticFiles(directory=PAGE, html=True), name="page")  # last: every route above comes first
 
     # Outermost first: every answer is counted, the refused ones too.
     app.add_middleware(Guard, keys=cfg.security.keys, max_body=max_body_bytes(cfg))

@@ -29,6 +29,7 @@ LEGACY_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": 
 STATUS = {omni_pb2.TURN_STATUS_COMPLETED: ("completed", None), omni_pb2.TURN_STATUS_CANCELLED: ("cancelled", "client_cancelled"),
           omni_pb2.TURN_STATUS_INTERRUPTED: ("cancelled", "turn_detected"), omni_pb2.TURN_STATUS_FAILED: ("failed", "error")}
 DEFAULT_SILENCE_MS = 500
+KEY_PROTOCOL = "openai-insecure-api-key."  # how a browser, which cannot set headers on a WebSocket, sends its key
 
 
 def _format(value, where: str) -> str:
@@ -290,10 +291,13 @@ class Bridge:
 
 async def serve(ws: WebSocket, upstream, keys: list[bytes]) -> None:
     """One WebSocket's session, ended (and every stage let go of it) when either side leaves."""
-    if (why := key_matches(keys, ws.headers.get("authorization"))) is not None:
+    protocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    key = next((p[len(KEY_PROTOCOL):] for p in protocols if p.startswith(KEY_PROTOCOL)), None)
+    authorization = ws.headers.get("authorization") or (f"Bearer {key}" if key else None)
+    if (why := key_matches(keys, authorization)) is not None:
         await ws.close(code=1008, reason=why[:120])
         return
-    await ws.accept()
+    await ws.accept(subprotocol="realtime" if "realtime" in protocols else None)
     try:
         info = await upstream.info()
     except ApiError as e:
