@@ -173,3 +173,31 @@ def test_bad_events_get_error_events_and_the_session_goes_on(door):
     for name, words in expect.items():
         assert words in errors[name].message, (name, errors[name])
     assert done.response.status == "completed" and done.response.usage.output_tokens > 0
+
+
+def test_a_websocket_that_closes_frees_every_stage(door, native_mesh):
+    from client_util import metric
+
+    async def talk():
+        load = Load(native_mesh)
+        async with connect(door) as conn:
+            await until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
+                                               "sampling": {"ignore_eos": True}, "max_output_tokens": 250,
+                                               "talker": {"ignore_eos": True, "max_tokens": 1000}})
+            await until(conn, "session.updated")
+            await append(conn, speech_clip(0.5))
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            await until(conn, "response.output_audio.delta")
+            while not await load.busy("thinker0", "talker0"):
+                await until(conn, "response.output_audio.delta")
+            t0 = time.perf_counter()
+        freed = await load.freed_within(t0)
+        await load.close()
+        return freed
+
+    seconds, held = asyncio.run(talk())
+    assert seconds < 1.0 and all(v == (0, 0) for v in held.values()), (seconds, held)
+    port = native_mesh.cfg.gateway.replicas[0].metrics_port
+    assert metric(port, "omni_inflight_requests", method="Converse") == 0
