@@ -11,29 +11,18 @@ from dataclasses import dataclass, field
 import grpc
 
 from omni.v1 import omni_pb2
+from services.gateway.history import Exchange, History
 from services.gateway.orchestrator import SAMPLE_RATE, Outbox
 from services.gateway.validate import resolve
 from services.gateway.vad import FRAME_MS, RATE, InputAudio, TurnDetector
-from services.model.spec import audio_tokens
 from services.runtime.errors import FailedPrecondition, InvalidArgument, OmniError, ResourceExhausted
 from services.runtime.metrics import BadMessage
 
 DEFAULT_INPUT_RATE = 24000
 PREROLL_S = 0.3  # of audio kept before detected speech, so that its first sound is not cut
-MESSAGE_TOKENS = 4  # a chat message's own tokens: <|im_start|>, its role, a newline, <|im_end|>
 END = object()
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Exchange:
-    """User messages and the answer to them, as the conversation keeps them."""
-    id: str
-    users: list[omni_pb2.Message] = field(default_factory=list)
-    answer: str = ""
-    answered: bool = False
-    tokens: int = 0  # of the prompt it takes, measured from the turn's usage where it finished
 
 
 @dataclass
@@ -57,16 +46,15 @@ class Session:
         self.settings = omni_pb2.SessionSettings()
         self.input = InputAudio(omni_pb2.PCM_ENCODING_S16LE, DEFAULT_INPUT_RATE)
         self.detector: TurnDetector | None = None
-        self.history: list[Exchange] = []
         self.pending: list[omni_pb2.Part] = []
         self.buffer = bytearray()  # 16 kHz PCM16 of the user turn being built
         self.buffer_start = 0.0  # its place in the session's input audio, in seconds
         self.heard = 0.0  # seconds of input audio so far
         self.turn: Turn | None = None
-        self.turns = 0
         self.out = Outbox()
         cfg = gateway.cfg
-        self.budget = cfg.gateway.session_context_tokens or gateway.max_context // 2
+        self.history = History(self.id, cfg.gateway.session_context_tokens or gateway.max_context // 2,
+                               gateway.prompts.tokenizer, gateway.spec.n_window)
         self.max_buffer = int(cfg.limits.max_audio_seconds * RATE) * 2
 
     async def run(self, requests):
@@ -219,15 +207,11 @@ class Session:
         if self.buffer:
             parts.append(omni_pb2.Part(audio=omni_pb2.Audio(pcm=omni_pb2.RawPcm(
                 data=bytes(self.buffer), sample_rate=RATE, encoding=omni_pb2.PCM_ENCODING_S16LE))))
-        open_ = self.history[-1] if self.history and not self.history[-1].answered else None
+        open_ = self.history.open
         if not parts and (c.hold or open_ is None):
             raise InvalidArgument("commit: nothing to commit, no input audio or items since the last commit")
         if parts:
-            if open_ is None:
-                self.turns += 1
-                open_ = Exchange(f"{self.id[:8]}-{self.turns}")
-                self.history.append(open_)
-            open_.users.append(omni_pb2.Message(role=omni_pb2.ROLE_USER, parts=parts))
+            open_ = self.history.add_user(parts)
             self.pending.clear()
             self.buffer_start += seconds
             self.buffer.clear()
@@ -250,20 +234,10 @@ class Session:
             self.history.clear()
         self._emit(cleared=omni_pb2.InputCleared(history=c.history))
 
-    def _messages(self) -> list[omni_pb2.Message]:
-        msgs = []
-        if self.settings.instructions:
-            msgs.append(omni_pb2.Message(role=omni_pb2.ROLE_SYSTEM, parts=[omni_pb2.Part(text=self.settings.instructions)]))
-        for ex in self.history:
-            msgs += ex.users
-            if ex.answer:
-                msgs.append(omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.Part(text=ex.answer)]))
-        return msgs
-
     def _answer(self, ex: Exchange) -> None:
         mods = self.settings.output_modalities
         turn = Turn(ex, want_text=not mods or omni_pb2.MODALITY_TEXT in mods, want_audio=omni_pb2.MODALITY_AUDIO in mods)
-        req = self._request(self.settings, self._messages())
+        req = self._request(self.settings, self.history.messages(self.settings.instructions))
         req.request_id = ex.id
         self.turn = turn
         self._emit(ex.id, started=omni_pb2.TurnStarted())
@@ -314,35 +288,10 @@ class Session:
             usage = omni_pb2.Usage(completion_tokens=len(turn.token_ids), audio_frames=turn.frames_sent,
                                    audio_seconds=turn.samples_sent / SAMPLE_RATE)
         if status == omni_pb2.TURN_STATUS_FAILED:
-            self.history.remove(ex)
+            self.history.forget(ex)
         else:
-            ex.answer, ex.answered = transcript.strip(), True
-            earlier = sum(e.tokens for e in self.history if e is not ex)
-            if turn.finished is not None:  # measured: the prompt held every kept turn and this one's user part
-                ex.tokens = max(0, usage.prompt_tokens + len(ids) + MESSAGE_TOKENS - earlier)
-            else:
-                ex.tokens = self._estimate(ex, len(ids))
+            self.history.answered(ex, transcript.strip(), len(ids), usage.prompt_tokens if turn.finished is not None else None)
         reason = turn.finished.reason if turn.finished is not None else omni_pb2.FINISH_REASON_UNSPECIFIED
         self._emit(ex.id, done=omni_pb2.TurnDone(status=status, reason=reason, usage=usage, transcript=ex.answer))
-        self._truncate()
-
-    def _estimate(self, ex: Exchange, answer_tokens: int) -> int:
-        """A stopped turn's tokens, not measured: its text and audio counted as the prompt would (media not)."""
-        n = answer_tokens + MESSAGE_TOKENS
-        for m in ex.users:
-            n += MESSAGE_TOKENS
-            for p in m.parts:
-                if p.HasField("text"):
-                    n += len(self.gw.prompts.tokenizer.encode(p.text, add_special_tokens=False))
-                elif p.HasField("audio") and p.audio.HasField("pcm"):
-                    n += audio_tokens(len(p.audio.pcm.data) // 2 // (RATE // 100), self.gw.spec.n_window) + 2
-        return n
-
-    def _truncate(self) -> None:
-        dropped, tokens = 0, 0
-        while self.history and self.history[0].answered and sum(e.tokens for e in self.history) > self.budget:
-            tokens += self.history.pop(0).tokens
-            dropped += 1
-        if dropped:
-            self._emit(truncated=omni_pb2.HistoryTruncated(turns_dropped=dropped, tokens_dropped=tokens,
-                                                           turns_kept=len(self.history)))
+        if (truncated := self.history.truncate()) is not None:
+            self._emit(truncated=truncated)
