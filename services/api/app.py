@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request, WebSocket
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from services.api import chat, realtime, speech
@@ -127,7 +127,11 @@ def create_app(cfg: MeshConfig) -> FastAPI:
     async def realtime_session(ws: WebSocket):
         await realtime.serve(ws, upstream, [k.encode() for k in cfg.security.keys])
 
-    app.mount("/", StaticFiles(directory=PAGE, html=True), name="page")  # last: every route above comes first
+    @app.get("/")
+    async def page():
+        return FileResponse(PAGE / "index.html")
+
+    app.mount("/page", StaticFiles(directory=PAGE), name="page")
 
     # Outermost first: every answer is counted, the refused ones too.
     app.add_middleware(Guard, keys=cfg.security.keys, max_body=max_body_bytes(cfg))
