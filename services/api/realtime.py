@@ -44,9 +44,9 @@ def _format(value, where: str) -> str:
 class Config:
     """The session as the client configured it, merged over each session.update, and its Converse settings."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, audio_out: bool):
         self.model = model
-        self.audio_out = True
+        self.audio_out = audio_out  # OpenAI's default where the deployment speaks
         self.instructions = ""
         self.voice = ""
         self.input_format = self.output_format = "audio/pcm"
@@ -123,8 +123,9 @@ class Config:
 class Bridge:
     """One WebSocket and its Converse call."""
 
-    def __init__(self, ws: WebSocket, call, model: str):
-        self.ws, self.call, self.cfg = ws, call, Config(model)
+    def __init__(self, ws: WebSocket, call, info: omni_pb2.ModelInfo):
+        self.ws, self.call = ws, call
+        self.cfg = Config(info.model, omni_pb2.MODALITY_AUDIO in info.output_modalities)
         self.ids = itertools.count()
         self.session_id = ""
         self.sessions = 0  # session events seen: the gateway's first is before our settings
@@ -311,7 +312,7 @@ async def serve(ws: WebSocket, upstream, keys: list[bytes]) -> None:
         await ws.close(code=1008)
         return
     call = upstream.stub.Converse(metadata=upstream.metadata)
-    bridge = Bridge(ws, call, info.model)
+    bridge = Bridge(ws, call, info)
     await call.write(omni_pb2.ConverseRequest(settings=bridge.cfg.settings()))
     tasks = [asyncio.create_task(bridge.from_client()), asyncio.create_task(bridge.to_client())]
     try:
