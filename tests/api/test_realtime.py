@@ -201,3 +201,32 @@ def test_a_websocket_that_closes_frees_every_stage(door, native_mesh):
     assert seconds < 1.0 and all(v == (0, 0) for v in held.values()), (seconds, held)
     port = native_mesh.cfg.gateway.replicas[0].metrics_port
     assert metric(port, "omni_inflight_requests", method="Converse") == 0
+
+
+def test_speaking_over_an_answer_stops_it_everywhere(door, native_mesh):
+    async def talk():
+        load = Load(native_mesh)
+        async with connect(door) as conn:
+            await until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "sampling": {"ignore_eos": True}, "max_output_tokens": 250,
+                                               "talker": {"ignore_eos": True, "max_tokens": 1000}})
+            await until(conn, "session.updated")
+            await append(conn, speech_clip(0.6, 0, silence_s=0.8))
+            await until(conn, "response.output_audio.delta")
+            while not await load.busy("thinker0", "talker0"):
+                await until(conn, "response.output_audio.delta")
+            t0 = time.perf_counter()
+            await append(conn, speech_clip(0.8, 1))
+            freed = await load.freed_within(t0)
+            events = await until(conn, "response.done")
+        await load.close()
+        return freed, events
+
+    (seconds, held), events = asyncio.run(talk())
+    assert seconds < 2 * FREED_S and all(v == (0, 0) for v in held.values()), (seconds, held)
+    kinds = [e.type for e in events]
+    assert "input_audio_buffer.speech_started" in kinds
+    done = events[-1].response
+    assert done.status == "cancelled" and done.status_details.reason == "turn_detected"
+    # nothing more of the answer after the user spoke
+    assert "response.output_audio.delta" not in kinds[kinds.index("input_audio_buffer.speech_started"):]
