@@ -120,11 +120,16 @@ class Session:
         if not s.output_modalities:
             s.output_modalities.append(omni_pb2.MODALITY_TEXT)
         if s.turn_detection.enabled:
-            g, t = self.gw.cfg.gateway, s.turn_detection
-            t.aggressiveness = t.aggressiveness if t.HasField("aggressiveness") else g.vad_aggressiveness
-            t.speech_ms = t.speech_ms if t.HasField("speech_ms") else g.vad_speech_ms
-            t.silence_ms = t.silence_ms if t.HasField("silence_ms") else g.vad_silence_ms
+            s.turn_detection.CopyFrom(self._detection(s.turn_detection))
         return omni_pb2.SessionInfo(session_id=self.id, settings=s)
+
+    def _detection(self, t: omni_pb2.TurnDetection) -> omni_pb2.TurnDetection:
+        """`t` with the deployment's values where it leaves them unset."""
+        g = self.gw.cfg.gateway
+        return omni_pb2.TurnDetection(
+            enabled=t.enabled, aggressiveness=t.aggressiveness if t.HasField("aggressiveness") else g.vad_aggressiveness,
+            speech_ms=t.speech_ms if t.HasField("speech_ms") else g.vad_speech_ms,
+            silence_ms=t.silence_ms if t.HasField("silence_ms") else g.vad_silence_ms)
 
     def _request(self, settings: omni_pb2.SessionSettings, messages) -> omni_pb2.GenerateRequest:
         """A turn's Generate request; text is always asked for, its token ids being the transcript's."""
@@ -147,10 +152,8 @@ class Session:
         if s.turn_detection == self.settings.turn_detection:  # mid-speech, a new detector would miss its end
             detector = self.detector
         elif s.turn_detection.enabled:
-            g, t = self.gw.cfg.gateway, s.turn_detection
-            detector = TurnDetector(t.aggressiveness if t.HasField("aggressiveness") else g.vad_aggressiveness,
-                                    t.speech_ms if t.HasField("speech_ms") else g.vad_speech_ms,
-                                    t.silence_ms if t.HasField("silence_ms") else g.vad_silence_ms)
+            t = self._detection(s.turn_detection)
+            detector = TurnDetector(t.aggressiveness, t.speech_ms, t.silence_ms)
         if s.instructions:
             self.gw.prompts.check_text(s.instructions, "instructions")
         # What Generate would refuse of these settings (voice, modalities, sampling), refused now
