@@ -21,8 +21,9 @@ class Exchange:
 
 
 class History:
-    def __init__(self, session_id: str, budget: int, tokenizer, n_window: int):
-        self.session_id, self.budget, self.tokenizer, self.n_window = session_id, budget, tokenizer, n_window
+    def __init__(self, session_id: str, budget: int, max_media: int, tokenizer, n_window: int):
+        self.session_id, self.budget, self.max_media = session_id, budget, max_media
+        self.tokenizer, self.n_window = tokenizer, n_window
         self.exchanges: list[Exchange] = []
         self.count = 0
 
@@ -63,9 +64,15 @@ class History:
     def clear(self) -> None:
         self.exchanges.clear()
 
+    def media(self) -> int:
+        return sum(1 for e in self.exchanges for m in e.users for p in m.parts if not p.HasField("text"))
+
     def truncate(self) -> omni_pb2.HistoryTruncated | None:
+        """Drops the oldest answered exchanges while those kept are over the token budget, or hold more media items
+        (each turn's audio is one) than a request may."""
         dropped, tokens = 0, 0
-        while self.exchanges and self.exchanges[0].answered and sum(e.tokens for e in self.exchanges) > self.budget:
+        while self.exchanges and self.exchanges[0].answered and (
+                sum(e.tokens for e in self.exchanges) > self.budget or self.media() > self.max_media):
             tokens += self.exchanges.pop(0).tokens
             dropped += 1
         return omni_pb2.HistoryTruncated(turns_dropped=dropped, tokens_dropped=tokens,

@@ -54,7 +54,7 @@ class Session:
         self.out = Outbox()
         cfg = gateway.cfg
         self.history = History(self.id, cfg.gateway.session_context_tokens or gateway.max_context // 2,
-                               gateway.prompts.tokenizer, gateway.spec.n_window)
+                               cfg.limits.max_media_items, gateway.prompts.tokenizer, gateway.spec.n_window)
         self.max_buffer = int(cfg.limits.max_audio_seconds * RATE) * 2
 
     async def run(self, requests):
@@ -240,6 +240,7 @@ class Session:
     def _answer(self, ex: Exchange) -> None:
         mods = self.settings.output_modalities
         turn = Turn(ex, want_text=not mods or omni_pb2.MODALITY_TEXT in mods, want_audio=omni_pb2.MODALITY_AUDIO in mods)
+        self._truncate()  # the turn just committed may bring the media over a request's limit
         req = self._request(self.settings, self.history.messages(self.settings.instructions))
         req.request_id = ex.id
         self.turn = turn
@@ -296,5 +297,8 @@ class Session:
             self.history.answered(ex, transcript.strip(), len(ids), usage.prompt_tokens if turn.finished is not None else None)
         reason = turn.finished.reason if turn.finished is not None else omni_pb2.FINISH_REASON_UNSPECIFIED
         self._emit(ex.id, done=omni_pb2.TurnDone(status=status, reason=reason, usage=usage, transcript=ex.answer))
+        self._truncate()
+
+    def _truncate(self) -> None:
         if (truncated := self.history.truncate()) is not None:
             self._emit(truncated=truncated)

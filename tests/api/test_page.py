@@ -1,6 +1,6 @@
 """The browser page in a real headless Chromium (Debian's chromium and chromium-driver), its microphone a WAV file
 played in a loop: it connects to /v1/realtime, the server's turn detection commits what it heard, and it plays the
-answer's speech; its chat box sends text and an image and shows the answer."""
+answer's speech; its chat box sends text, an image and an audio file and shows the answers."""
 
 import json
 import shutil
@@ -12,7 +12,7 @@ import pytest
 
 from api.conftest import start_api, stop
 from converse_client import speech_clip
-from references import png
+from references import png, wav
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver")
@@ -77,6 +77,13 @@ def test_the_page_talks_and_chats(door, browser, tmp_path):
     browser.find_element("css selector", "#chat button").click()
     chat = wait(browser, f"return window.omni.done.length > {before} && window.omni.done[window.omni.done.length - 1]")
     assert chat and chat["status"] == "completed", browser.execute_script("return window.omni.events")
+    clip = tmp_path / "clip.wav"
+    clip.write_bytes(wav(5, 0.8))
+    browser.find_element("id", "files").send_keys(str(clip))  # an audio file alone, decoded by the browser
+    browser.find_element("css selector", "#chat button").click()
+    heard = wait(browser, f"return window.omni.done.length > {before + 1} && window.omni.done[window.omni.done.length - 1]")
+    assert heard and heard["status"] == "completed", [li.text for li in browser.find_elements("css selector", "#conversation li.error")]
+    assert heard["usage"]["input_tokens"] > 0 and heard["usage"]["output_tokens"] > 0
     texts = [li.text for li in browser.find_elements("css selector", "#conversation li")]
-    assert any("What is this? [picture.png]" in t for t in texts), texts
+    assert any("What is this? [picture.png]" in t for t in texts) and any("[clip.wav]" in t for t in texts), texts
     assert not browser.find_elements("css selector", "#conversation li.error"), texts

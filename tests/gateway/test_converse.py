@@ -396,3 +396,26 @@ def test_the_oldest_turns_leave_a_conversation_past_its_budget(budget_gateway):
         messages=history + [user(pcm_part(clips[3], rate))], sampling=s.sampling))
     assert answers[3].token_ids == ref.token_ids
     assert answers[3].done.usage.prompt_tokens == ref.finished.usage.prompt_tokens
+
+
+def test_a_long_session_keeps_within_a_requests_media_limit(native_mesh):
+    """Each turn's audio is a media item of the next prompts: past the deployment's max_media_items (4 here) the
+    oldest turns leave, and every turn is still answered."""
+    limit = native_mesh.cfg.limits.max_media_items
+
+    async def converse():
+        async with Conversation(native_mesh.gateway_address) as c:
+            await c.start(settings(speech=False, tokens=2))
+            answers = []
+            for i in range(limit + 2):
+                await c.audio(speech_clip(0.3, seed=i))
+                await c.send(commit=omni_pb2.Commit())
+                answers.append(await c.turn())
+            return answers
+
+    answers = run(converse())
+    assert all(a.done.status == omni_pb2.TURN_STATUS_COMPLETED and not a.errors for a in answers), \
+        [(a.done.status, a.errors) for a in answers]
+    truncated = [[e.truncated for e in a.events if e.HasField("truncated")] for a in answers]
+    assert not any(truncated[:limit]) and all(t and t[0].turns_dropped == 1 for t in truncated[limit:]), truncated
+    assert answers[limit].kinds[:3] == ["committed", "truncated", "started"]
