@@ -42,6 +42,14 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+
+class TurnStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_STATUS_UNSPECIFIED: _ClassVar[TurnStatus]
+    TURN_STATUS_COMPLETED: _ClassVar[TurnStatus]
+    TURN_STATUS_CANCELLED: _ClassVar[TurnStatus]
+    TURN_STATUS_INTERRUPTED: _ClassVar[TurnStatus]
+    TURN_STATUS_FAILED: _ClassVar[TurnStatus]
 ROLE_UNSPECIFIED: Role
 ROLE_SYSTEM: Role
 ROLE_USER: Role
@@ -63,6 +71,11 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
+TURN_STATUS_UNSPECIFIED: TurnStatus
+TURN_STATUS_COMPLETED: TurnStatus
+TURN_STATUS_CANCELLED: TurnStatus
+TURN_STATUS_INTERRUPTED: TurnStatus
+TURN_STATUS_FAILED: TurnStatus
 
 class Image(_message.Message):
     __slots__ = ("data",)
@@ -277,3 +290,169 @@ class ModelInfo(_message.Message):
     audio_sample_rate: int
     limits: Limits
     def __init__(self, model: _Optional[str] = ..., input_modalities: _Optional[_Iterable[str]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., voices: _Optional[_Iterable[str]] = ..., default_voice: _Optional[str] = ..., audio_sample_rate: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+
+class TurnDetection(_message.Message):
+    __slots__ = ("enabled", "aggressiveness", "silence_ms", "speech_ms")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    AGGRESSIVENESS_FIELD_NUMBER: _ClassVar[int]
+    SILENCE_MS_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_MS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    aggressiveness: int
+    silence_ms: int
+    speech_ms: int
+    def __init__(self, enabled: _Optional[bool] = ..., aggressiveness: _Optional[int] = ..., silence_ms: _Optional[int] = ..., speech_ms: _Optional[int] = ...) -> None: ...
+
+class SessionSettings(_message.Message):
+    __slots__ = ("output_modalities", "voice", "instructions", "sampling", "talker_sampling", "audio_format", "input_encoding", "input_sample_rate", "turn_detection", "return_codec_codes")
+    OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TALKER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TURN_DETECTION_FIELD_NUMBER: _ClassVar[int]
+    RETURN_CODEC_CODES_FIELD_NUMBER: _ClassVar[int]
+    output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
+    voice: str
+    instructions: str
+    sampling: SamplingParams
+    talker_sampling: SamplingParams
+    audio_format: AudioFormat
+    input_encoding: PcmEncoding
+    input_sample_rate: int
+    turn_detection: TurnDetection
+    return_codec_codes: bool
+    def __init__(self, output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., voice: _Optional[str] = ..., instructions: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., talker_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., input_encoding: _Optional[_Union[PcmEncoding, str]] = ..., input_sample_rate: _Optional[int] = ..., turn_detection: _Optional[_Union[TurnDetection, _Mapping]] = ..., return_codec_codes: _Optional[bool] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("hold",)
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    hold: bool
+    def __init__(self, hold: _Optional[bool] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Clear(_message.Message):
+    __slots__ = ("history",)
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    history: bool
+    def __init__(self, history: _Optional[bool] = ...) -> None: ...
+
+class ConverseRequest(_message.Message):
+    __slots__ = ("settings", "audio", "item", "commit", "cancel", "clear")
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_FIELD_NUMBER: _ClassVar[int]
+    settings: SessionSettings
+    audio: bytes
+    item: Message
+    commit: Commit
+    cancel: Cancel
+    clear: Clear
+    def __init__(self, settings: _Optional[_Union[SessionSettings, _Mapping]] = ..., audio: _Optional[bytes] = ..., item: _Optional[_Union[Message, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., clear: _Optional[_Union[Clear, _Mapping]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "settings")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    settings: SessionSettings
+    def __init__(self, session_id: _Optional[str] = ..., settings: _Optional[_Union[SessionSettings, _Mapping]] = ...) -> None: ...
+
+class SpeechStarted(_message.Message):
+    __slots__ = ("audio_start_seconds",)
+    AUDIO_START_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    audio_start_seconds: float
+    def __init__(self, audio_start_seconds: _Optional[float] = ...) -> None: ...
+
+class SpeechStopped(_message.Message):
+    __slots__ = ("audio_end_seconds",)
+    AUDIO_END_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    audio_end_seconds: float
+    def __init__(self, audio_end_seconds: _Optional[float] = ...) -> None: ...
+
+class TurnCommitted(_message.Message):
+    __slots__ = ("audio_seconds", "parts")
+    AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    audio_seconds: float
+    parts: int
+    def __init__(self, audio_seconds: _Optional[float] = ..., parts: _Optional[int] = ...) -> None: ...
+
+class TurnStarted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TurnDone(_message.Message):
+    __slots__ = ("status", "reason", "usage", "transcript")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    status: TurnStatus
+    reason: FinishReason
+    usage: Usage
+    transcript: str
+    def __init__(self, status: _Optional[_Union[TurnStatus, str]] = ..., reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., transcript: _Optional[str] = ...) -> None: ...
+
+class HistoryTruncated(_message.Message):
+    __slots__ = ("turns_dropped", "tokens_dropped", "turns_kept")
+    TURNS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TURNS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    turns_dropped: int
+    tokens_dropped: int
+    turns_kept: int
+    def __init__(self, turns_dropped: _Optional[int] = ..., tokens_dropped: _Optional[int] = ..., turns_kept: _Optional[int] = ...) -> None: ...
+
+class InputCleared(_message.Message):
+    __slots__ = ("history",)
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    history: bool
+    def __init__(self, history: _Optional[bool] = ...) -> None: ...
+
+class ConverseError(_message.Message):
+    __slots__ = ("code", "message", "event")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    event: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., event: _Optional[str] = ...) -> None: ...
+
+class ConverseResponse(_message.Message):
+    __slots__ = ("turn_id", "session", "speech_started", "speech_stopped", "committed", "started", "text", "audio", "done", "truncated", "cleared", "error")
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_STARTED_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_STOPPED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    turn_id: str
+    session: SessionInfo
+    speech_started: SpeechStarted
+    speech_stopped: SpeechStopped
+    committed: TurnCommitted
+    started: TurnStarted
+    text: TextDelta
+    audio: AudioChunk
+    done: TurnDone
+    truncated: HistoryTruncated
+    cleared: InputCleared
+    error: ConverseError
+    def __init__(self, turn_id: _Optional[str] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ..., speech_started: _Optional[_Union[SpeechStarted, _Mapping]] = ..., speech_stopped: _Optional[_Union[SpeechStopped, _Mapping]] = ..., committed: _Optional[_Union[TurnCommitted, _Mapping]] = ..., started: _Optional[_Union[TurnStarted, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., done: _Optional[_Union[TurnDone, _Mapping]] = ..., truncated: _Optional[_Union[HistoryTruncated, _Mapping]] = ..., cleared: _Optional[_Union[InputCleared, _Mapping]] = ..., error: _Optional[_Union[ConverseError, _Mapping]] = ...) -> None: ...

@@ -44,6 +44,11 @@ class OmniStub:
                 request_serializer=omni_dot_v1_dot_omni__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=omni_dot_v1_dot_omni__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Converse = channel.stream_stream(
+                '/omni.v1.Omni/Converse',
+                request_serializer=omni_dot_v1_dot_omni__pb2.ConverseRequest.SerializeToString,
+                response_deserializer=omni_dot_v1_dot_omni__pb2.ConverseResponse.FromString,
+                _registered_method=True)
 
 
 class OmniServicer:
@@ -68,6 +73,16 @@ class OmniServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Converse(self, request_iterator, context):
+        """A spoken conversation: the client streams settings, input audio, items, commits (end of a user turn) and
+        cancels; the server answers each turn as Generate does, keeps the conversation for the next, detects turns
+        itself if asked, and stops an answer the user speaks over. Bad events get an error event and the session
+        goes on; the call ends only when the client ends it (or its deadline passes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OmniServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +95,11 @@ def add_OmniServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=omni_dot_v1_dot_omni__pb2.GetModelInfoRequest.FromString,
                     response_serializer=omni_dot_v1_dot_omni__pb2.ModelInfo.SerializeToString,
+            ),
+            'Converse': grpc.stream_stream_rpc_method_handler(
+                    servicer.Converse,
+                    request_deserializer=omni_dot_v1_dot_omni__pb2.ConverseRequest.FromString,
+                    response_serializer=omni_dot_v1_dot_omni__pb2.ConverseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +156,33 @@ class Omni:
             '/omni.v1.Omni/GetModelInfo',
             omni_dot_v1_dot_omni__pb2.GetModelInfoRequest.SerializeToString,
             omni_dot_v1_dot_omni__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Converse(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/omni.v1.Omni/Converse',
+            omni_dot_v1_dot_omni__pb2.ConverseRequest.SerializeToString,
+            omni_dot_v1_dot_omni__pb2.ConverseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,20 +1,20 @@
-"""The OpenAI-compatible HTTP app: /v1/models, /v1/chat/completions, /v1/audio/speech, /health and /metrics, each
-request translated into one call of the public gRPC API (the gateway stays the only orchestrator); and a browser
-page at /."""
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/chat/completions, /v1/audio/speech, /v1/realtime (a WebSocket),
+/health and /metrics, each request translated into one call of the public gRPC API (the gateway stays the only
+orchestrator); and the browser page at /."""
 
 import contextlib
 import json
 import time
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from services.api import chat, speech
+from services.api import chat, realtime, speech
 from services.api.audio_store import AudioStore
 from services.api.errors import ApiError, bad, from_validation
 from services.api.guard import Guard
@@ -26,7 +26,7 @@ from services.api.upstream import Gone, Upstream, next_event, unless_gone
 from services.runtime.config import MeshConfig
 
 OWNER = "omni-mesh"
-STATIC = Path(__file__).with_name("static")
+PAGE = Path(__file__).with_name("static")  # the browser page: plain files, no build step
 
 
 def max_body_bytes(cfg: MeshConfig) -> int:
@@ -90,18 +90,16 @@ def create_app(cfg: MeshConfig) -> FastAPI:
     async def prometheus():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card(info) -> dict:
-        """OpenAI's model object, and the voices the speech can take (an extension, read by the browser page)."""
-        return {"id": info.model, "object": "model", "created": started, "owned_by": OWNER,
-                "voices": list(info.voices), "default_voice": info.default_voice}
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": OWNER}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(await upstream.info())]}
+        return {"object": "list", "data": [model_card((await upstream.info()).model)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        return model_card(await upstream.model(model))
+        return model_card((await upstream.model(model)).model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -125,8 +123,15 @@ def create_app(cfg: MeshConfig) -> FastAPI:
         first = await unless_gone(request, call, speech.first_audio(call))
         return speech.reply(req, first, call)
 
-    # The browser page: plain files, after every route so that none is shadowed
-    app.mount("/", StaticFiles(directory=STATIC, html=True), name="page")
+    @app.websocket("/v1/realtime")
+    async def realtime_session(ws: WebSocket):
+        await realtime.serve(ws, upstream, [k.encode() for k in cfg.security.keys])
+
+    @app.get("/")
+    async def page():
+        return FileResponse(PAGE / "index.html")
+
+    app.mount("/page", StaticFiles(directory=PAGE), name="page")
 
     # Outermost first: every answer is counted, the refused ones too.
     app.add_middleware(Guard, keys=cfg.security.keys, max_body=max_body_bytes(cfg))

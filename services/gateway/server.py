@@ -4,6 +4,7 @@ from contextlib import aclosing
 
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.gateway.orchestrator import Gateway
+from services.gateway.session import Session
 from services.runtime.config import MeshConfig
 from services.runtime.metrics import rpc
 from services.runtime.server import Stage, add_service
@@ -18,6 +19,12 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         async with aclosing(self.gateway.generate(request, context.time_remaining())) as responses:
             async for response in responses:
                 yield response
+
+    @rpc(check=False)  # a bad event is answered in the session's stream, which goes on
+    async def Converse(self, request_iterator, context):
+        async with aclosing(Session(self.gateway).run(request_iterator)) as events:
+            async for event in events:
+                yield event
 
     @rpc
     async def GetModelInfo(self, request, context):

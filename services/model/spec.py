@@ -59,6 +59,12 @@ class OmniSpec:
     def thinker_hidden(self) -> int:
         return self.thinker["text_config"]["hidden_size"]
 
+    @staticmethod
+    def spoken_tokens(frames: int) -> int:
+        """Text tokens the talker has read once it has made `frames` frames of speech: one a frame (the first rides
+        in its prompt), so what was said is the text up to there."""
+        return frames
+
     @property
     def max_positions(self) -> int:
         return self.thinker["text_config"]["max_position_embeddings"]

@@ -122,6 +122,8 @@ class GatewayConfig(StageConfig):
     routing: Literal["modality", "least_loaded", "fixed"] = "modality"
     """Encoder and thinker replicas by the request's output modality (`prefer_for`) then load, by load, or by
     modality however busy."""
+    session_context_tokens: int = 0
+    """Tokens of earlier turns a Converse session keeps; past it the oldest turns are dropped. 0: half the context."""
 
 
 @dataclass
@@ -227,6 +229,9 @@ class MeshConfig:
             raise ConfigError(f"talker.chunks must be positive frame counts, not {self.talker.chunks}")
         if self.preprocess.workers < 1:
             raise ConfigError("preprocess.workers must be at least 1")
+        g = self.gateway
+        if g.session_context_tokens < 0:
+            raise ConfigError("gateway: session_context_tokens must be >= 0")
         if any(not k for k in self.security.keys):
             raise ConfigError("security.keys: an empty key would let any client in")
         if self.security.dir is not None:

@@ -101,9 +101,13 @@ def _check(request):
     return request if not hasattr(request, "__aiter__") else _checked(request)
 
 
-def rpc(fn):
-    """Wraps a servicer method (unary or streaming): metrics by status, OmniError -> gRPC status."""
+def rpc(fn=None, *, check: bool = True):
+    """Wraps a servicer method (unary or streaming): metrics by status, OmniError -> gRPC status. `check=False`:
+    the method is handed unparsable messages (BadMessage) of its request stream to answer itself."""
+    if fn is None:
+        return functools.partial(rpc, check=check)
     method = fn.__name__
+    screen = _check if check else (lambda request: request)
 
     def start(context):
         global _IN_FLIGHT
@@ -127,7 +131,7 @@ def rpc(fn):
             t0, code = start(context), grpc.StatusCode.OK
             try:
                 # Closed however the call ends, so its finally blocks run now, not when a collection finds it
-                async with contextlib.aclosing(fn(self, _check(request), context)) as items:
+                async with contextlib.aclosing(fn(self, screen(request), context)) as items:
                     async for item in items:
                         yield item
             except BaseException as exc:  # noqa: BLE001 - every failure becomes a status
@@ -141,7 +145,7 @@ def rpc(fn):
     async def unary(self, request, context):
         t0, code = start(context), grpc.StatusCode.OK
         try:
-            return await fn(self, _check(request), context)
+            return await fn(self, screen(request), context)
         except BaseException as exc:  # noqa: BLE001
             code = _outcome(exc, context)
             await _end(context, exc)

@@ -136,3 +136,31 @@ def test_reflection_in_both_versions_without_tls(mesh):
         with grpc.insecure_channel(mesh.cfg.replicas(stage)[0].address) as ch:
             listed = {v: services_listed(ch, v) for v in REFLECTION}
         assert listed["v1"] == listed["v1alpha"] and "grpc.health.v1.Health" in listed["v1"], listed
+
+
+def test_the_realtime_door_and_converse_want_the_key(secure, certs):
+    """/v1/realtime over TLS takes the key as a header (OpenAI's clients) or a subprotocol (browsers), refuses the
+    upgrade without it; Converse on the gateway wants it as Generate does."""
+    import asyncio
+    import json
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    mesh, door = secure
+    url = door.url.replace("http://", "wss://") + "/v1/realtime"
+    ctx = ssl.create_default_context(cafile=certs / "ca.pem")
+
+    async def first_event(**how):
+        async with connect(url, ssl=ctx, **how) as ws:
+            return json.loads(await ws.recv())["type"], ws.subprotocol
+
+    assert asyncio.run(first_event(additional_headers={"Authorization": f"Bearer {KEY}"})) == ("session.created", None)
+    assert asyncio.run(first_event(subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"])) == ("session.created", "realtime")
+    for how in ({}, {"additional_headers": {"Authorization": "Bearer sk-wrong"}}):
+        with pytest.raises(InvalidStatus) as e:
+            asyncio.run(first_event(**how))
+        assert e.value.response.status_code == 403
+    with grpc.secure_channel(mesh.gateway_address, tls(certs)) as ch:
+        converse = omni_pb2_grpc.OmniStub(ch).Converse
+        assert code_of(lambda: list(converse(iter([omni_pb2.ConverseRequest()]), timeout=30))) == grpc.StatusCode.UNAUTHENTICATED
