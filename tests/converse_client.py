@@ -9,7 +9,7 @@ import numpy as np
 
 from omni.stage.v1 import load_pb2, load_pb2_grpc
 from omni.v1 import omni_pb2, omni_pb2_grpc
-from references import voiced
+from bench.workloads import voiced
 
 IN_RATE = 24000
 CHUNK_S = 0.1
