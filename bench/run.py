@@ -24,7 +24,7 @@ from bench import results
 from bench.loadgen import LoopResult, MeshClient, StageCpu
 from bench.merge import resumed
 from bench.records import summarize
-from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select
+from bench.workloads import WORKLOADS, MediaSpec, Workload, grpc_request, select, video_size
 from services.runtime.config import REPO_ROOT, load_config, read_overridden, write_overridden
 
 # Request indices of a cell depend only on its concurrency, so both engines get the same inputs and seeds,
@@ -103,16 +103,6 @@ def print_cell(cell: dict) -> None:
              if cell.get("stage_cpu_frac") else "")
           + (f"  [{cell['status']}: {cell['reason']}]" if cell["status"] != "ok" else "")
           + (f"  first error: {cell['first_error'][:160]}" if cell["failures"] else ""), flush=True)
-
-
-def video_size(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--video-size: WIDTHxHEIGHT expected, got {text!r}") from None
-    if width < 32 or height < 32 or width % 2 or height % 2:  # yuv420p halves both sides
-        raise SystemExit(f"--video-size: even sides of at least 32 expected, got {text!r}")
-    return width, height
 
 
 def dead_stages(procs: dict, w: Workload) -> str:

@@ -129,6 +129,16 @@ def clip_wav(seed: int, seconds: float, rate: int = 16000) -> bytes:
 
 
 @lru_cache(maxsize=16)
+def video_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--video-size: WIDTHxHEIGHT expected, got {text!r}") from None
+    if width < 32 or height < 32 or width % 2 or height % 2:  # yuv420p halves both sides
+        raise SystemExit(f"--video-size: even sides of at least 32 expected, got {text!r}")
+    return width, height
+
+
 def video_mp4(seed: int, seconds: float, size: tuple[int, int], fps: int = 25, rate: int = 48000) -> bytes:
     """A seeded clip made by PyAV: a smooth picture drifting across the frame (every sampled frame differs), H.264
     in MP4, with a speech-like AAC soundtrack. One encoder thread: the same bytes on every host."""

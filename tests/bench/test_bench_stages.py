@@ -18,7 +18,7 @@ def test_stage_benchmarks(bench_dir):
     out = bench_dir / "stages.json"
     stages.main(["--config", str(bench_dir / "mesh.yaml"), "--out", str(out), "--batches", "1,2", "--prompt-lens", "16",
                  "--decode-steps", "3", "--frames", "4", "--encoder-batches", "1,2", "--image-size", "64",
-                 "--clip-seconds", "1", "--preprocess-items", "2"])
+                 "--clip-seconds", "1", "--preprocess-items", "2", "--video-seconds", "2", "--video-size", "96x64"])
     cells = results.read(out)["cells"]
     by = {results.cell_key(c): c for c in cells}
     for b in (1, 2):
@@ -34,7 +34,10 @@ def test_stage_benchmarks(bench_dir):
         assert 0 < talker["step_ms_p50"] <= talker["step_ms_max"] <= 1000 * talker["seconds"]
         for item in ("image", "audio"):
             assert by[(("stage", "encoder"), ("item", item), ("batch", b))]["items_per_s"] > 0
-    assert {c["item"] for c in cells if c["stage"] == "preprocess"} == {"image", "audio"}
+    pre = {c["item"]: c for c in cells if c["stage"] == "preprocess"}
+    assert set(pre) == {"image", "audio", "video"}
+    assert pre["video"]["ms_per_media_second"] == pytest.approx(pre["video"]["step_ms"] / 2)
+    assert pre["audio"]["ms_per_media_second"] == pytest.approx(pre["audio"]["step_ms"] / 1)
     assert report.main([str(out)])[0].read_text().count("## ") == 5
 
 
