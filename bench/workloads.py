@@ -128,7 +128,6 @@ def clip_wav(seed: int, seconds: float, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
-@lru_cache(maxsize=16)
 def video_size(text: str) -> tuple[int, int]:
     try:
         width, height = (int(x) for x in text.lower().split("x"))
@@ -139,9 +138,10 @@ def video_size(text: str) -> tuple[int, int]:
     return width, height
 
 
+@lru_cache(maxsize=16)
 def video_mp4(seed: int, seconds: float, size: tuple[int, int], fps: int = 25, rate: int = 48000) -> bytes:
     """A seeded clip made by PyAV: a smooth picture drifting across the frame (every sampled frame differs), H.264
-    in MP4, with a speech-like AAC soundtrack. One encoder thread: the same bytes on every host."""
+    in MP4, with a speech-like AAC soundtrack. Cached: two encodings of one clip can differ in a few bytes."""
     import av
 
     width, height = size
