@@ -19,8 +19,8 @@ import torch
 
 from bench import results
 from bench.talker import code2wav_cells, talker_cells
+from bench.timing import host_split, laps, timed
 from bench.workloads import clip_wav, image_png, video_mp4, video_size
-from services.llm.host import laps_per_step
 from services.llm.sampling import SamplingParams
 from services.model.spec import OmniSpec
 from services.runtime import heap
@@ -28,30 +28,6 @@ from services.runtime.config import Limits, MeshConfig, load_config, read_overri
 from services.runtime.protoconv import DTYPES
 
 THINKER_SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=20, ignore_eos=True)
-
-
-def timed(fn, device: torch.device) -> tuple[float, object]:
-    """Wall seconds of fn(), with the device drained before and after."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0, out
-
-
-def host_split(engine, before: dict | None, steps: int) -> dict:
-    """The host's ms a step by phase since `before` (a copy of the engine's laps' seconds; "wait": blocked on the
-    device), and the host's own ms a step (every phase but the wait); nothing for an engine without laps."""
-    if before is None:
-        return {}
-    split = laps_per_step(before, engine.laps.seconds, steps)
-    return {"host_ms_per_step": sum(v for k, v in split.items() if k != "wait"), "host_split_ms": split}
-
-
-def laps(engine) -> dict | None:
-    return dict(engine.laps.seconds) if getattr(engine, "laps", None) is not None else None
 
 
 def random_prompts(cfg: MeshConfig, seed: int):

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from bench.timing import host_split, laps, timed
 from bench.workloads import FRAMES_PER_SECOND, ascii_prompt
 from services.llm.sampling import SamplingParams
 from services.model.positions import Layout
@@ -49,7 +50,6 @@ class TalkerFeed:
 
 
 def talker_cells(cfg: MeshConfig, device: str, args):
-    from bench.stages import host_split, laps, timed
     from services.talker.server import make_engine
 
     engine = make_engine(cfg, device)
@@ -107,7 +107,6 @@ def code2wav_cells(cfg: MeshConfig, device: str, args):
     for each of --batches, timed per call (replayed from a CUDA graph on a GPU, as the talker runs it); the samples
     after the left context (what the talker keeps) held to float32's: relative L2 and SNR in dB. NAME+native runs
     the talker's own decoder (services/talker/code2wav.py: from the first row the kept samples need)."""
-    from bench.stages import timed
     from services.model.load import load_component, load_config as model_config
     from services.talker.code2wav import NativeCode2Wav
 
