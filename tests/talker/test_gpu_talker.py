@@ -79,6 +79,31 @@ def frames_to_the_end(engine, seqs) -> list:
     return [s.frames for s in seqs]
 
 
+def first_difference(a: list, b: list) -> tuple | None:
+    """(request, frame, codebook) where two runs' frames first differ, or None."""
+    for i, (fa, fb) in enumerate(zip(a, b)):
+        for t, (x, y) in enumerate(zip(fa, fb)):
+            if list(x) != list(y):
+                return i, t, next(g for g, (u, v) in enumerate(zip(x, y)) if u != v)
+    return None
+
+
+@pytest.mark.parametrize("graphs", [8, 0], ids=["graphs", "eager"])
+def test_two_runs_of_one_engine_draw_the_same_codes(tmp_path, graphs):
+    """Three greedy requests run twice, then a third time, on one engine, and once on a second engine: every run
+    draws the same frames (the tests comparing two variants of one engine rest on this)."""
+    from services.model.build import build_full_skeleton
+
+    model_dir = build_full_skeleton(tmp_path / "model")
+    kw = dict(kv_blocks=512, max_seqs=16, cuda_graph_max_batch=graphs, step_graphs=0)
+    engine = native(model_dir, **kw)
+    runs = [frames_to_the_end(engine, speech_requests(engine, model_dir)) for _ in range(3)]
+    del engine
+    other = native(model_dir, **kw)
+    runs.append(frames_to_the_end(other, speech_requests(other, model_dir)))
+    assert [first_difference(runs[0], r) for r in runs[1:]] == [None] * 3
+
+
 def test_captured_talker_decode_step_equals_the_eager_one(tmp_path):
     """Three speech requests past their prompts: one decode step replayed from the graph of 4 (a padding row)
     against the same step run eagerly (flashinfer's decode kernel against its prefill kernel, bf16). Twenty
