@@ -18,9 +18,9 @@ from transformers.generation.streamers import BaseStreamer
 from bench.loadgen import LoopResult
 from bench.records import RequestRecord
 from bench.workloads import MediaSpec, Workload, conversation, sampling_seeds
+from services.model.load import DTYPES
 from services.model.spec import OmniSpec, audio_tokens
 from services.runtime.config import MeshConfig
-from services.runtime.protoconv import DTYPES
 
 
 class StepTimes(BaseStreamer):

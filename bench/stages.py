@@ -22,10 +22,10 @@ from bench.talker import code2wav_cells, talker_cells
 from bench.timing import host_split, laps, timed
 from bench.workloads import clip_wav, image_png, video_mp4, video_size
 from services.llm.sampling import SamplingParams
+from services.model.load import DTYPES
 from services.model.spec import OmniSpec
 from services.runtime import heap
 from services.runtime.config import Limits, MeshConfig, load_config, read_overridden
-from services.runtime.protoconv import DTYPES
 
 THINKER_SAMPLING = dict(temperature=0.7, top_p=0.8, top_k=20, ignore_eos=True)
 

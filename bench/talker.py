@@ -9,11 +9,11 @@ import torch
 from bench.timing import host_split, laps, timed
 from bench.workloads import FRAMES_PER_SECOND, ascii_prompt
 from services.llm.sampling import SamplingParams
+from services.model.load import DTYPES
 from services.model.positions import Layout
 from services.model.spec import OmniSpec
 from services.runtime import heap
 from services.runtime.config import MeshConfig
-from services.runtime.protoconv import DTYPES
 
 TALKER_SAMPLING = dict(temperature=0.9, top_p=1.0, top_k=50, repetition_penalty=1.05, ignore_eos=True)
 

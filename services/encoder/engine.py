@@ -9,12 +9,11 @@ import torch
 from services.encoder.attention import use_varlen_attention
 from services.encoder.graphs import VisionGraphs
 from services.encoder.plans import VisionPlans
-from services.model.load import load_component
+from services.model.load import DTYPES, load_component
 from services.model.spec import audio_tokens
 from services.preprocess.media import PixelNorm
 from services.runtime.config import ModelConfig
 from services.runtime.errors import InvalidArgument
-from services.runtime.protoconv import DTYPES
 
 
 @dataclass

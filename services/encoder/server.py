@@ -4,8 +4,7 @@ from omni.stage.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.encoder.engine import EncodeJob, Encoder, Item
 from services.runtime.config import MeshConfig
 from services.runtime.metrics import QUEUE_WAIT, rpc
-from services.runtime.protoconv import timings
-from services.runtime.server import Stage, engine_stage
+from services.runtime.server import Stage, engine_stage, timings
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 

@@ -21,11 +21,11 @@ from services.gateway.detok import Detokenizer
 from services.gateway.prompt import MediaRef, PromptBuilder
 from services.gateway.router import LOAD_POLL_S, Endpoint, Router
 from services.gateway.validate import Resolved, resolve
+from services.llm.sampling import sampling_to_proto
 from services.model.spec import OmniSpec
 from services.runtime.admission import Gate, slots
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
-from services.runtime.protoconv import sampling_to_proto
 from services.runtime.transport import SHM_DOMAIN
 
 MEDIA_KINDS = {common_pb2.MEDIA_KIND_IMAGE: "image", common_pb2.MEDIA_KIND_AUDIO: "audio", common_pb2.MEDIA_KIND_VIDEO: "video"}

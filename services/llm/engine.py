@@ -19,10 +19,9 @@ from services.llm.layers import fuse_projections_
 from services.llm.moe import capturable, resolve
 from services.llm.pieces import StepPieces
 from services.llm.scheduler import Scheduler, Work
-from services.model.load import _default_dtype, load_config, load_weights_
+from services.model.load import DTYPES, default_dtype, load_config, load_weights_
 from services.runtime.config import EngineConfig, ModelConfig
 from services.runtime.errors import RequestFailed
-from services.runtime.protoconv import DTYPES
 
 
 def load_model(factory, component: str, model: ModelConfig, device: torch.device, fp8: str = "off") -> nn.Module:
@@ -30,7 +29,7 @@ def load_model(factory, component: str, model: ModelConfig, device: torch.device
     dtype = DTYPES[model.dtype]
     if device.type == "cuda":
         fuse()
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         module = factory(load_config(model.dir))
     load_weights_(module, component, model.dir, dtype, model.load_format)
     if fp8 != "off":

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omni.stage.v1 import common_pb2
 from services.llm.fusion import fusable
 from services.llm.host import scalar, upload
 from services.runtime.errors import InvalidArgument
@@ -31,6 +32,21 @@ class SamplingParams:
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed) if self.seed else gen.seed()
         return gen
+
+
+def sampling_from_proto(msg: common_pb2.Sampling) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k, max_tokens=msg.max_tokens,
+        min_tokens=msg.min_tokens, seed=msg.seed, ignore_eos=msg.ignore_eos,
+        repetition_penalty=msg.repetition_penalty or 1.0, stop_token_ids=tuple(msg.stop_token_ids),
+    )
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.Sampling:
+    return common_pb2.Sampling(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+        seed=p.seed, ignore_eos=p.ignore_eos, repetition_penalty=p.repetition_penalty, stop_token_ids=list(p.stop_token_ids),
+    )
 
 
 def check_params(p: SamplingParams, vocab: int, max_tokens: int, where: str = "sampling") -> None:

@@ -65,8 +65,11 @@ def load_config(model_dir: str | Path | None):
     return config
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
+
+
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -77,7 +80,7 @@ def _default_dtype(dtype: torch.dtype):
 
 def build_component(name: str, config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """The module of a component with placeholder weights, built directly on `device` in `dtype`."""
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         module = COMPONENTS[name].build(config)
     return module.to(device=device, dtype=dtype).eval()
 

@@ -23,8 +23,7 @@ from services.runtime import admission
 from services.runtime.config import Limits, MeshConfig
 from services.runtime.errors import InvalidArgument, OmniError, ResourceExhausted
 from services.runtime.metrics import rpc
-from services.runtime.protoconv import timings
-from services.runtime.server import Stage, add_service
+from services.runtime.server import Stage, add_service, timings
 from services.runtime.transport import Transport
 
 KINDS = {"image": common_pb2.MEDIA_KIND_IMAGE, "audio": common_pb2.MEDIA_KIND_AUDIO, "video": common_pb2.MEDIA_KIND_VIDEO}

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from google.protobuf import message_factory
 from prometheus_client import start_http_server
 
-from omni.stage.v1 import load_pb2
+from omni.stage.v1 import common_pb2, load_pb2
 from services.runtime import heap, metrics
 from services.runtime.config import MeshConfig, load_config
 from services.runtime.metrics import parse
@@ -58,6 +58,10 @@ class Stage:
 
 Builder = Callable[[MeshConfig, int, grpc.aio.Server], Awaitable[Stage]]
 
+
+def timings(**seconds: float) -> list[common_pb2.Timing]:
+    """A reply's stage timings, the zero ones left out."""
+    return [common_pb2.Timing(stage=k, seconds=v) for k, v in seconds.items() if v]
 
 
 def add_service(server: grpc.aio.Server, servicer, service) -> str:

@@ -16,9 +16,9 @@ from services.llm.graphs import ladder
 from services.llm.host import mark, scalar, seconds_between, upload
 from services.llm.sampling import CANDIDATES, sample_batch
 from services.llm.scheduler import SeqState, Work
+from services.model.load import DTYPES
 from services.runtime.config import ModelConfig, TalkerConfig
 from services.runtime.errors import ResourceExhausted
-from services.runtime.protoconv import DTYPES
 from services.talker.decode import FrameGraphs
 from services.talker.model import TalkerModel
 from services.talker.predictor import PredictorFrames

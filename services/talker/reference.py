@@ -9,9 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from services.llm.sampling import SamplingParams, sample_next
-from services.model.load import load_component
+from services.model.load import DTYPES, load_component
 from services.runtime.config import ModelConfig, TalkerConfig
-from services.runtime.protoconv import DTYPES
 from services.talker.seq import PREDICTOR_SAMPLING, TalkerSeq, TalkerStep
 from services.talker.speech import SpeechEngine
 

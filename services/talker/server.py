@@ -5,19 +5,30 @@ import asyncio
 
 import torch
 
-from omni.stage.v1 import talker_pb2, talker_pb2_grpc
-from services.llm.sampling import check_ids, check_params
+from omni.stage.v1 import common_pb2, talker_pb2, talker_pb2_grpc
+from services.llm.sampling import check_ids, check_params, sampling_from_proto
+from services.model.positions import Layout
 from services.model.spec import OmniSpec, audio_tokens
 from services.runtime.config import Limits, MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import QUEUE_WAIT, TOKENS, rpc
-from services.runtime.protoconv import layout_from_proto, sampling_from_proto, timings
-from services.runtime.server import Stage, engine_stage
+from services.runtime.server import Stage, engine_stage, timings
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 from services.talker.engine import NativeTalker
 from services.talker.reference import ReferenceTalker
 from services.talker.seq import TalkerSeq
+
+
+def layout_from_proto(msg: common_pb2.MediaLayout, audio: list[int]) -> Layout:
+    """The prompt's media layout as the thinker's M-RoPE saw it; `audio`: each clip's tokens."""
+    def triples(flat):
+        return [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+
+    return Layout(
+        image_grid_thw=triples(list(msg.image_grid_thw)), video_grid_thw=triples(list(msg.video_grid_thw)),
+        video_second_per_grid=list(msg.video_second_per_grid), audio_tokens=audio,
+    )
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):

@@ -11,10 +11,10 @@ from services.llm.engine import Engine, load_model
 from services.llm.host import upload
 from services.llm.sampling import CANDIDATES, sample_batch, tensor_drawable
 from services.llm.scheduler import SeqState, Work
+from services.model.load import DTYPES
 from services.model.spec import OmniSpec
 from services.runtime.config import ModelConfig, ThinkerConfig
 from services.runtime.errors import RequestFailed, ResourceExhausted
-from services.runtime.protoconv import DTYPES
 from services.thinker.decode import TokenGraphs
 from services.thinker.model import ThinkerModel
 from services.thinker.seq import ThinkerSeq, ThinkerStep, accept, validate

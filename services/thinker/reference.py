@@ -7,10 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from services.llm.sampling import sample_next
-from services.model.load import load_component
+from services.model.load import DTYPES, load_component
 from services.model.spec import OmniSpec
 from services.runtime.config import ModelConfig
-from services.runtime.protoconv import DTYPES
 from services.thinker.seq import ThinkerSeq, ThinkerStep, accept, validate
 
 

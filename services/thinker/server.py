@@ -6,13 +6,12 @@ import math
 import torch
 
 from omni.stage.v1 import thinker_pb2, thinker_pb2_grpc
-from services.llm.sampling import check_ids, check_params
+from services.llm.sampling import check_ids, check_params, sampling_from_proto
 from services.model.spec import OmniSpec
 from services.runtime.config import MeshConfig
 from services.runtime.errors import InvalidArgument
 from services.runtime.metrics import QUEUE_WAIT, TOKENS, rpc
-from services.runtime.protoconv import sampling_from_proto, timings
-from services.runtime.server import Stage, engine_stage
+from services.runtime.server import Stage, engine_stage, timings
 from services.runtime.transport import Transport
 from services.runtime.worker import EngineWorker
 from services.thinker.engine import NativeThinker

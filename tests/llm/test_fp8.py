@@ -99,10 +99,10 @@ def test_rows_by_expert_are_a_stable_argsort():
 def test_the_full_size_thinker_with_fp8_experts_fits_in_35_gb(block):
     """The real config's thinker, built on the meta device (no memory, no time): its weights, quantised as the
     engine quantises them, leave room for a second replica beside the talker on one H200."""
-    from services.model.load import _default_dtype, load_config
+    from services.model.load import default_dtype, load_config
     from services.thinker.model import ThinkerModel
 
-    with torch.device("meta"), _default_dtype(torch.bfloat16):
+    with torch.device("meta"), default_dtype(torch.bfloat16):
         model = ThinkerModel(load_config(None).thinker_config)
 
     def gb() -> float:
