@@ -1,6 +1,6 @@
 """Video files in, through PyAV: the container's header is checked (bytes, codec, frame size, duration) and its
 packets counted before anything is decoded; then only the frames Qwen's sampling keeps are converted to RGB, and
-the soundtrack, if any, is decoded to mono at the model's rate as audio files are."""
+the soundtrack, where it is heard, is decoded to mono at the model's rate as audio files are."""
 
 import io
 import math
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import av
 import numpy as np
 import torch
+from av.stream import Discard
 
 from services.preprocess.audio_in import header_seconds, ffmpeg_words, to_mono
 from services.runtime.config import Limits
@@ -26,7 +27,7 @@ SAMPLE_FPS, MIN_FRAMES, MAX_FRAMES = 2.0, 4, 768
 class Clip:
     frames: np.ndarray  # [T, H, W, 3] uint8, the sampled frames
     fps: float  # rate of the sampled frames
-    audio: np.ndarray | None  # the soundtrack: mono float32 at the model's rate; None: the file has none
+    audio: np.ndarray | None  # the soundtrack: mono float32 at the model's rate; None: none asked for, or the file has none
 
 
 def sample_indices(total: int, video_fps: float, fps: float, temporal: int) -> torch.Tensor:
@@ -37,9 +38,11 @@ def sample_indices(total: int, video_fps: float, fps: float, temporal: int) -> t
     return torch.arange(0, total, total / n).int() if n else torch.zeros(0, dtype=torch.int32)
 
 
-def decode_video(data: bytes, limits: Limits, where: str, fps: float, temporal: int, rate: int, check=None) -> Clip:
-    """A video file's first video stream, sampled at `fps` to a multiple of `temporal` frames, and its first audio
-    stream at `rate`; `check(width, height, frames)` raises for frames refused for other reasons (the context)."""
+def decode_video(data: bytes, limits: Limits, where: str, fps: float, temporal: int, rate: int, check=None,
+                 sound: bool = True) -> Clip:
+    """A video file's first video stream, sampled at `fps` to a multiple of `temporal` frames, and with `sound` its
+    first audio stream at `rate`; `check(width, height, frames)` raises for frames refused for other reasons (the
+    context)."""
     if not data:
         raise InvalidArgument(f"{where}: empty video file")
     if len(data) > limits.max_request_bytes:
@@ -63,7 +66,10 @@ def decode_video(data: bytes, limits: Limits, where: str, fps: float, temporal: 
         seconds = header_seconds(container, video)
         if seconds is not None and seconds > limits.max_audio_seconds:
             raise ResourceExhausted(f"{where}: {seconds:.1f} s of video is over the limit of {limits.max_audio_seconds:.0f} s")
-        audio = container.streams.audio[0] if container.streams.audio else None
+        audio = container.streams.audio[0] if sound and container.streams.audio else None
+        for other in container.streams:
+            if other is not video and other is not audio:
+                other.discard = Discard.all  # the demuxer skips a soundtrack not heard: never read, never decoded
         video.codec_context.thread_count = 1  # one decoder thread per worker process, as for audio
         video.codec_context.options = {"err_detect": "explode"}  # damaged data is refused, not concealed
         packets, sound = _demux(container, video, audio, limits.max_audio_seconds, where)

@@ -137,6 +137,42 @@ def test_a_silent_clip_cannot_be_heard(pre, clips):
         prepare(pre, 2, frames)
 
 
+def garbled_sound(data: bytes, muxer: str) -> bytes:
+    """The same file remuxed with every audio packet's bytes replaced by noise: a soundtrack no decoder reads."""
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    with av.open(io.BytesIO(data)) as src, av.open(buf, "w", format=muxer) as out:
+        streams = {s.index: out.add_stream_from_template(s) for s in src.streams}
+        for p in src.demux():
+            if p.size == 0:
+                continue
+            index = p.stream_index
+            if p.stream.type == "audio":
+                noise = av.Packet(rng.integers(0, 256, p.size, dtype=np.uint8).tobytes())
+                noise.pts, noise.dts, noise.duration, noise.time_base = p.pts, p.dts, p.duration, p.time_base
+                p = noise
+            p.stream = streams[index]
+            out.mux(p)
+    return buf.getvalue()
+
+
+def test_a_soundtrack_not_heard_is_never_decoded(pre, clips):
+    """Without use_audio_in_video the audio stream is not read at all (Qwen's processor ignores it): a file whose
+    soundtrack cannot be decoded gives the same frames as the good file, and is refused only when heard."""
+    from omni.stage.v1 import preprocess_pb2
+    from omni.v1 import omni_pb2
+    from services.preprocess.server import prepare
+
+    good = clips["mp4 h264 aac"]
+    bad = garbled_sound(good, "mp4")
+    item = lambda heard: preprocess_pb2.MediaItem(video=omni_pb2.Video(file=bad, use_audio_in_video=heard))
+    with pytest.raises(InvalidArgument, match="media item 0: cannot decode video: Invalid data"):
+        prepare(pre, 0, item(True))
+    (video,) = prepare(pre, 0, item(False))
+    assert not video.with_audio and video.soundtrack is None
+    assert np.array_equal(video.values, pre.video_file(good, 0.0).values)
+
+
 def test_fps_samples_the_file(pre, clips):
     assert pre.video_file(clips["mp4 h264"], 4.0).grid_thw[0] == 4  # 8 frames of 2 s
     with pytest.raises(InvalidArgument, match="media item 0: fps must be in"):
