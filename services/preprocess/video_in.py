@@ -1,6 +1,7 @@
 """Video files in, through PyAV: the container's header is checked (bytes, codec, frame size, duration) and its
-packets counted before anything is decoded; then only the frames Qwen's sampling keeps are converted to RGB, and
-the soundtrack, where it is heard, is decoded to mono at the model's rate as audio files are."""
+packets counted before anything is decoded; then only the frames Qwen's sampling keeps are converted to RGB, turned
+as a player shows them, and the soundtrack, where it is heard, is decoded to mono at the model's rate as audio files
+are."""
 
 import io
 import math
@@ -12,6 +13,7 @@ import torch
 from av.stream import Discard
 
 from services.preprocess.audio_in import header_seconds, ffmpeg_words, to_mono
+from services.preprocess.rotation import display_matrix, upright
 from services.runtime.config import Limits
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
@@ -120,11 +122,14 @@ def _decoded(stream, packets):
 
 
 def _frames(video, packets, keep: set[int], size: tuple[int, int], where: str) -> list[np.ndarray]:
-    """The frames at indices `keep` (in display order) as RGB, every frame checked to be the header's size."""
-    out = []
+    """The frames at indices `keep` (in display order) as RGB, turned as a player shows them; every frame checked
+    to be the header's size."""
+    out, turn = [], None
     for i, frame in enumerate(_decoded(video, packets)):
         if (frame.width, frame.height) != size:
             raise InvalidArgument(f"{where}: frame {i} is {frame.width}x{frame.height}, the stream's header says {size[0]}x{size[1]}")
+        if i == 0:  # one orientation for the stream: frames of one size
+            turn = display_matrix(frame, video.metadata)
         if i in keep:
-            out.append(frame.to_ndarray(format="rgb24"))
+            out.append(np.ascontiguousarray(upright(frame.to_ndarray(format="rgb24"), turn)))
     return out
