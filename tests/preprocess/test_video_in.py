@@ -5,6 +5,7 @@ limit and every bad file refused by item, before the file is decoded."""
 import ast
 import io
 import math
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ from api.test_audio_in import transcode
 from references import video_file, wav
 from services.preprocess.audio_in import decode_file
 from services.preprocess.media import PixelNorm, Preprocessor
-from services.preprocess.video_in import decode_video, sample_indices
+from services.preprocess.video_in import decode_video, sample_indices, sample_times
 from services.runtime.config import Limits
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
@@ -227,6 +228,73 @@ def test_frames_come_out_as_a_player_shows_them(pre, name):
         assert np.abs(stored.astype(np.float32) - portrait()).mean() > 3 * TURNED_ATOL
     upright = pre.video_file(turned_clip(portrait(), muxer, codec), 0.0)
     assert pre.video_file(data, 0.0).grid_thw == upright.grid_thw and upright.grid_thw[1] > upright.grid_thw[2]
+
+
+def test_evenly_spaced_timestamps_sample_as_transformers():
+    """Timestamps on an even grid, rounded to a millisecond as WebM stores them, pick transformers' frames."""
+    ref = transformers_sample_frames()
+    for total, rate, fps in [(50, 25.0, 2.0), (7, 30.0, 2.0), (2997, 29.97, 2.0), (2000, 29.97, 2.0), (90, 30.0, 0.5), (61, 24.0, 5.0)]:
+        pts = np.round(np.arange(total) * 1000 / rate).astype(np.int64)
+        keep, kept = sample_times(pts, int(round(total * 1000 / rate)), Fraction(1, 1000), Fraction(rate), fps, 2)
+        assert keep.tolist() == ref(total, rate, fps).tolist(), (total, rate, fps)
+        assert kept == pytest.approx(len(keep) / total * rate)
+
+
+MS = Fraction(1, 1000)
+# A variable rate: 1 s at 20 fps, then 2 s at 4 fps (28 frames); frame i is grey level 8 * i.
+VFR_PTS = list(range(0, 1000, 50)) + list(range(1000, 3000, 250))
+
+
+def vfr_clip(muxer: str, codec: str) -> bytes:
+    """VFR_PTS (ms) as a file, each frame's packet lasting until the next frame (the last, 250 ms)."""
+    lasts = dict(zip(VFR_PTS, np.diff([*VFR_PTS, 3000]).tolist()))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=muxer) as out:
+        v = out.add_stream(codec, rate=20)
+        v.width, v.height, v.pix_fmt = 64, 48, "yuv420p"
+        v.codec_context.time_base = MS
+
+        def mux(packets):
+            for p in packets:
+                p.duration = int(lasts[p.pts] * MS / p.time_base)
+                out.mux(p)
+
+        for i, t in enumerate(VFR_PTS):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 8 * i, np.uint8), format="rgb24")
+            frame.pts, frame.time_base = t, MS
+            mux(v.encode(frame))
+        mux(v.encode(None))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("muxer,codec", [("matroska", "libx264"), ("webm", "libvpx-vp9"), ("mp4", "libx264")])
+def test_a_variable_rate_is_sampled_by_its_timestamps(tiny_model, pre, muxer, codec):
+    """3 s sampled at 2 fps: the frames on screen at 0, 0.5, ..., 2.5 s (each starts at its instant, so it is also
+    the nearest), not every 28/6th frame; one temporal patch is 1 s, so M-RoPE's time row steps 13 a patch."""
+    from services.model.positions import Layout, mrope_positions, tokens_from_config
+    from services.model.spec import OmniSpec
+
+    data = vfr_clip(muxer, codec)
+    with av.open(io.BytesIO(data)) as c:
+        rate = c.streams.video[0].average_rate
+    shown = [VFR_PTS.index(t) for t in (0, 500, 1000, 1500, 2000, 2500)]
+    assert sample_indices(len(VFR_PTS), float(rate), 2.0, 2).tolist() != shown  # by index at the container's rate
+    clip = decode_video(data, pre.limits, "media item 0", 2.0, 2, 16000)
+    assert np.round(clip.frames.mean(axis=(1, 2, 3)) / 8).astype(int).tolist() == shown
+    video = pre.video_file(data, 0.0)
+    assert clip.fps == pytest.approx(2.0) and video.second_per_grid == pytest.approx(1.0) and video.grid_thw[0] == 3
+    tok = tokens_from_config(OmniSpec.load(tiny_model).thinker)
+    ids = [tok.vision_start] + [tok.video] * video.num_tokens + [tok.vision_start + 1]
+    layout = Layout(video_grid_thw=[video.grid_thw], video_second_per_grid=[video.second_per_grid])
+    t_row = mrope_positions(ids, layout, tok)[0][0, 1:-1]
+    assert sorted(set((t_row - 1).tolist())) == [0.0, 13.0, 26.0]
+
+
+def test_a_frame_on_screen_at_two_instants_is_sampled_twice():
+    """A frame held for a second, sampled at 2 fps, is what a viewer sees at both instants."""
+    pts = np.array([0, 1000, 1100, 1200, 1300], dtype=np.int64)
+    keep, kept = sample_times(pts, 2000, MS, Fraction(5, 2), 2.0, 2)
+    assert keep.tolist() == [0, 0, 1, 4] and kept == 2.0  # instants 0, 0.5, 1 and 1.5 s
 
 
 def test_fps_samples_the_file(pre, clips):
