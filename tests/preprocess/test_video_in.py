@@ -26,7 +26,10 @@ from services.runtime.errors import InvalidArgument, ResourceExhausted
 # (muxer, video encoder, audio encoder or "") of each clip: 2 s of 160x120 at 25 fps.
 CLIPS = {"mp4 h264": ("mp4", "libx264", ""), "mp4 h264 aac": ("mp4", "libx264", "aac"),
          "webm vp9": ("webm", "libvpx-vp9", ""), "webm vp9 opus": ("webm", "libvpx-vp9", "libopus"),
-         "mkv av1": ("matroska", "libsvtav1", ""), "mov h264 aac": ("mov", "libx264", "aac")}
+         "mkv av1": ("matroska", "libsvtav1", ""), "mov h264 aac": ("mov", "libx264", "aac"),
+         "webm av1 opus": ("webm", "libsvtav1", "libopus"), "mp4 av1 aac": ("mp4", "libsvtav1", "aac"),
+         "mkv h264 aac": ("matroska", "libx264", "aac"), "mp4 hevc aac": ("mp4", "libx265", "aac"),
+         "webm vp8 opus": ("webm", "libvpx", "libopus")}
 # Both sides resize the same uint8 frames with PIL's bicubic filter, then rescale and normalise in float32.
 PIXEL_ATOL = 1e-6
 
