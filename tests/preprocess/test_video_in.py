@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from api.test_audio_in import transcode
-from references import video_file, wav
+from references import garbled_sound, video_file, wav
 from services.preprocess.audio_in import decode_file
 from services.preprocess.media import PixelNorm, Preprocessor
 from services.preprocess.video_in import decode_video, sample_indices, sample_times
@@ -139,25 +139,6 @@ def test_a_silent_clip_cannot_be_heard(pre, clips):
     frames = preprocess_pb2.MediaItem(video=omni_pb2.Video(frames=[omni_pb2.Image(data=b"x")], use_audio_in_video=True))
     with pytest.raises(InvalidArgument, match="media item 2: use_audio_in_video needs a video file"):
         prepare(pre, 2, frames)
-
-
-def garbled_sound(data: bytes, muxer: str) -> bytes:
-    """The same file remuxed with every audio packet's bytes replaced by noise: a soundtrack no decoder reads."""
-    rng = np.random.default_rng(0)
-    buf = io.BytesIO()
-    with av.open(io.BytesIO(data)) as src, av.open(buf, "w", format=muxer) as out:
-        streams = {s.index: out.add_stream_from_template(s) for s in src.streams}
-        for p in src.demux():
-            if p.size == 0:
-                continue
-            index = p.stream_index
-            if p.stream.type == "audio":
-                noise = av.Packet(rng.integers(0, 256, p.size, dtype=np.uint8).tobytes())
-                noise.pts, noise.dts, noise.duration, noise.time_base = p.pts, p.dts, p.duration, p.time_base
-                p = noise
-            p.stream = streams[index]
-            out.mux(p)
-    return buf.getvalue()
 
 
 def test_a_soundtrack_not_heard_is_never_decoded(pre, clips):
