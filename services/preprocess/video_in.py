@@ -62,7 +62,7 @@ def sample_times(pts: np.ndarray, end: int, time_base: Fraction, average_rate, f
     n = sample_count(total, seconds, fps, temporal)
     # frame i is on screen at instant k of n where n * (pts[i] - pts[0]) <= k * span: exact, in integers
     keep = np.searchsorted(n * (pts - pts[0]), np.arange(n, dtype=np.int64) * span, side="right") - 1
-    return keep, n / seconds
+    return keep, n / seconds if n else 0.0
 
 
 def decode_video(data: bytes, limits: Limits, where: str, fps: float, temporal: int, rate: int, check=None,

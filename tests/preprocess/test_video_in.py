@@ -281,6 +281,11 @@ def test_a_frame_on_screen_at_two_instants_is_sampled_twice():
     assert keep.tolist() == [0, 0, 1, 4] and kept == 2.0  # instants 0, 0.5, 1 and 1.5 s
 
 
+def test_a_lone_frame_keeps_nothing_even_without_a_duration():
+    keep, kept = sample_times(np.array([40], dtype=np.int64), 40, MS, None, 2.0, 2)
+    assert len(keep) == 0 and kept == 0.0
+
+
 def test_fps_samples_the_file(pre, clips):
     assert pre.video_file(clips["mp4 h264"], 4.0).grid_thw[0] == 4  # 8 frames of 2 s
     with pytest.raises(InvalidArgument, match="media item 0: fps must be in"):
