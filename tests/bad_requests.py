@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 
 from omni.v1 import omni_pb2
-from references import Case, png, video_file, wav
+from references import Case, garbled_sound, png, video_file, wav
 
 INVALID, EXHAUSTED, PRECONDITION = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     grpc.StatusCode.FAILED_PRECONDITION)
@@ -118,6 +118,9 @@ def bad_requests():
         "silent video heard": (user(("video_sound", good_mp4), ("text", "x")).request(), INVALID,
                                "media item 0: use_audio_in_video is set, but the video file has no audio stream"),
         "video frames heard": (heard_frames(), INVALID, "messages[0].parts[0]: use_audio_in_video needs a video file"),
+        "garbled soundtrack heard": (user(("video_sound", garbled_sound(video_file(1, 32, 32, sound="aac"), "mp4")), ("text", "x")).request(),
+                                     INVALID, "media item 0: cannot decode video: Invalid data found"),
+        "video file bytes": (user(("video_file", good_mp4 + bytes(5 << 20)), ("text", "x")).request(), EXHAUSTED, "larger than max"),
     }
     return cases
 

@@ -67,6 +67,27 @@ def video_file(seconds: float = 2.0, width: int = 160, height: int = 120, muxer:
     return buf.getvalue()
 
 
+def garbled_sound(data: bytes, muxer: str) -> bytes:
+    """The same file remuxed with every audio packet's bytes replaced by noise: a soundtrack no decoder reads."""
+    import av
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    with av.open(io.BytesIO(data)) as src, av.open(buf, "w", format=muxer) as out:
+        streams = {s.index: out.add_stream_from_template(s) for s in src.streams}
+        for p in src.demux():
+            if p.size == 0:
+                continue
+            index = p.stream_index
+            if p.stream.type == "audio":
+                noise = av.Packet(rng.integers(0, 256, p.size, dtype=np.uint8).tobytes())
+                noise.pts, noise.dts, noise.duration, noise.time_base = p.pts, p.dts, p.duration, p.time_base
+                p = noise
+            p.stream = streams[index]
+            out.mux(p)
+    return buf.getvalue()
+
+
 def model_config(model_dir, **overrides):
     """The tiny model as a deployment names it (float32 on the CPU: equivalence holds there)."""
     from services.runtime.config import ModelConfig

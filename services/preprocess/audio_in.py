@@ -57,6 +57,8 @@ def to_mono(frames, rate: int, max_seconds: float, where: str) -> np.ndarray:
             if samples > limit:
                 raise ResourceExhausted(f"{where}: more than {max_seconds:.0f} s of audio is over the limit")
         parts += [out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(None)]
+    except av.FFmpegError:  # a decoder's error is also a ValueError: its caller words it
+        raise
     except ValueError as e:  # the resampler refuses a stream whose layout or rate changes midway
         raise InvalidArgument(f"{where}: cannot decode audio: {e}") from None
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)

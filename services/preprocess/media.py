@@ -36,7 +36,7 @@ class Features:
     grid_thw: tuple[int, int, int] | None = None
     feature_length: int = 0
     second_per_grid: float = 0.0
-    soundtrack: np.ndarray | None = None  # a video file's sound, mono float32 at SAMPLE_RATE, for use_audio_in_video
+    soundtrack: np.ndarray | None = None  # a video file's sound, mono float32 at SAMPLE_RATE, where it was decoded
     with_audio: bool = False  # video: the next item is its soundtrack, interleaved with its frames in the prompt
 
 
@@ -141,12 +141,13 @@ class Preprocessor:
             raise InvalidArgument(f"{where}: all frames must have the same size")
         return self._video(imgs, fps, where)
 
-    def video_file(self, data: bytes, fps: float, where: str = "video") -> Features:
+    def video_file(self, data: bytes, fps: float, where: str = "video", sound: bool = True) -> Features:
         """A file's frames sampled at `fps` (default Qwen's 2.0) as Qwen's video processor samples them, then
-        resized and patched as frames are; its soundtrack decoded as audio files are."""
+        resized and patched as frames are; with `sound`, its soundtrack decoded as audio files are (unheard, Qwen's
+        processor ignores a video's audio, so it is not even read)."""
         fps = self._fps(fps, SAMPLE_FPS, where)
         clip = decode_video(data, self.limits, where, fps, self.images.temporal_patch_size, SAMPLE_RATE,
-                            lambda w, h, n: self._check_tokens(w, h, n, where))
+                            lambda w, h, n: self._check_tokens(w, h, n, where), sound)
         out = self._video([Image.fromarray(f) for f in clip.frames], clip.fps, where)
         out.soundtrack = clip.audio
         return out

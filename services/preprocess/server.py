@@ -47,7 +47,7 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> li
             raise InvalidArgument(f"{where}: use_audio_in_video needs a video file (frames have no sound)")
         if not v.file:
             return [pre.video([f.data for f in v.frames], v.fps, where)]
-        video = pre.video_file(v.file, v.fps, where)
+        video = pre.video_file(v.file, v.fps, where, sound=v.use_audio_in_video)
         return [video, pre.soundtrack(video, where)] if v.use_audio_in_video else [video]
     if kind == "audio":
         source = item.audio.WhichOneof("source")

@@ -28,7 +28,7 @@ SAME_MESSAGE = ["corrupt image", "truncated image", "unsupported image format", 
                 "corrupt audio", "truncated audio", "audio too long", "too many media", "reserved token in text",
                 "unknown voice", "max tokens over limit", "past the context", "bad top_p", "text past the context",
                 "corrupt video file", "truncated webm file", "unsupported video codec", "video file too long",
-                "video file frames", "video frame pixels", "silent video heard"]
+                "video file frames", "video frame pixels", "silent video heard", "garbled soundtrack heard"]
 
 
 def chat_body(**extra) -> dict:

@@ -12,7 +12,7 @@ from client_util import error_of, generate, metric
 from conftest import wait_until
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from bad_requests import EXHAUSTED, INVALID, PRECONDITION, bad_requests, user
-from references import png
+from references import png, video_file
 
 def assert_served(mesh, speech: bool = False) -> None:
     """The mesh still serves a request whole: all 3 tokens (and 3 frames of speech) it asked for."""
@@ -25,8 +25,10 @@ def assert_served(mesh, speech: bool = False) -> None:
 
 def test_bad_input_is_refused_clearly_while_good_requests_are_served(mesh):
     bad = bad_requests()
-    good = [user(("image", png(9)), ("text", "ok")).request(speech=s, max_tokens=6, frames=6) for s in (False, True)] * 4
-    expected_good = [generate(mesh.gateway_address, g) for g in good[:2]]
+    kinds = [user(("image", png(9)), ("text", "ok")).request(speech=s, max_tokens=6, frames=6) for s in (False, True)]
+    kinds.append(user(("video_sound", video_file(1, 64, 48, sound="aac")), ("text", "ok")).request(max_tokens=6))
+    good = kinds * 3
+    expected_good = [generate(mesh.gateway_address, g) for g in kinds]
     jobs = [("bad", name, req) for name, (req, _, _) in bad.items()] + [("good", i, g) for i, g in enumerate(good)]
     random.Random(1).shuffle(jobs)
 
@@ -40,16 +42,16 @@ def test_bad_input_is_refused_clearly_while_good_requests_are_served(mesh):
         results = list(pool.map(run, jobs))
     for (kind, key, _), out in results:
         if kind == "good":
-            ref = expected_good[key % 2]
+            ref = expected_good[key % len(kinds)]
             assert out.token_ids == ref.token_ids and out.codes == ref.codes, f"good request {key} changed"
             continue
         _, code, words = bad[key]
         assert out is not None, f"{key}: accepted"
         assert out.code() == code, f"{key}: {out.code()} {out.details()}"
         assert words in out.details(), f"{key}: {out.details()!r} does not say {words!r}"
-    # The gateway counts each refusal by its status (the over-size payload is refused by gRPC before the handler).
+    # The gateway counts each refusal by its status (over-size payloads are refused by gRPC before the handler).
     invalid = sum(1 for req, code, _ in bad.values() if code == INVALID)
-    exhausted = sum(1 for name, (req, code, _) in bad.items() if code == EXHAUSTED and name != "payload over the limit")
+    exhausted = sum(1 for req, code, words in bad.values() if code == EXHAUSTED and words != "larger than max")
     assert metric(port, "omni_requests_total", method="Generate", code="INVALID_ARGUMENT") - counted["INVALID_ARGUMENT"] == invalid
     assert metric(port, "omni_requests_total", method="Generate", code="RESOURCE_EXHAUSTED") - counted["RESOURCE_EXHAUSTED"] == exhausted
 

@@ -8,7 +8,7 @@ import pytest
 
 from client_util import generate
 from omni.v1 import omni_pb2, omni_pb2_grpc
-from references import Case, Reference, png, video_file, wav
+from references import Case, Reference, garbled_sound, png, video_file, wav
 
 # Waveform tolerance where every chunk had its full left context: float32 rounding plus PCM16 quantisation.
 WAVE_ATOL = 5e-4
@@ -95,6 +95,31 @@ def test_path_matches_transformers(any_mesh, reference, path):
     assert all(v >= 0 for v in split.values()) and sum(split.values()) < usage.time_to_first_audio_seconds
     check_waveform(res, wave)
     assert res.events.index("audio") < len(res.events) - 1 and res.events[-1] == "finished"
+
+
+# A file in each container the API lists, with a soundtrack, heard: its frames and its sound through every stage.
+CONTAINERS = {"mp4 h264 aac": ("mp4", "libx264", "aac"), "mov h264 aac": ("mov", "libx264", "aac"),
+              "mkv av1 opus": ("matroska", "libsvtav1", "libopus"), "webm vp9 opus": ("webm", "libvpx-vp9", "libopus"),
+              "webm av1 opus": ("webm", "libsvtav1", "libopus")}
+
+
+@pytest.mark.parametrize("name", list(CONTAINERS))
+def test_every_container_is_heard_end_to_end(native_mesh, reference, name):
+    muxer, codec, sound = CONTAINERS[name]
+    case = Case([("user", [("video_sound", video_file(2, 64, 48, muxer, codec, sound, seed=3)), ("text", "What happens?")])])
+    ids, _, _ = reference.generate(case, max_tokens=8)
+    res = generate(native_mesh.gateway_address, case.request(max_tokens=8))
+    assert res.token_ids == ids
+    assert res.finished.usage.prompt_tokens == reference.inputs(case)["input_ids"].shape[1]
+
+
+def test_a_soundtrack_not_heard_is_not_read_end_to_end(native_mesh, reference):
+    """A file whose audio no decoder reads is served unheard as the good file is (tests/bad_requests.py has it
+    refused when heard)."""
+    good = video_file(2, 64, 48, sound="aac", seed=4)
+    bad = Case([("user", [("video_file", garbled_sound(good, "mp4")), ("text", "What happens?")])])
+    ids, _, _ = reference.generate(Case([("user", [("video_file", good), ("text", "What happens?")])]), max_tokens=8)
+    assert generate(native_mesh.gateway_address, bad.request(max_tokens=8)).token_ids == ids
 
 
 def test_long_speech_is_chunked_with_left_context(mesh, reference):

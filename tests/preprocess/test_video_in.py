@@ -5,6 +5,7 @@ limit and every bad file refused by item, before the file is decoded."""
 import ast
 import io
 import math
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,17 +16,20 @@ import torch
 from PIL import Image
 
 from api.test_audio_in import transcode
-from references import video_file, wav
+from references import garbled_sound, video_file, wav
 from services.preprocess.audio_in import decode_file
 from services.preprocess.media import PixelNorm, Preprocessor
-from services.preprocess.video_in import sample_indices
+from services.preprocess.video_in import decode_video, sample_indices, sample_times
 from services.runtime.config import Limits
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
 # (muxer, video encoder, audio encoder or "") of each clip: 2 s of 160x120 at 25 fps.
 CLIPS = {"mp4 h264": ("mp4", "libx264", ""), "mp4 h264 aac": ("mp4", "libx264", "aac"),
          "webm vp9": ("webm", "libvpx-vp9", ""), "webm vp9 opus": ("webm", "libvpx-vp9", "libopus"),
-         "mkv av1": ("matroska", "libsvtav1", ""), "mov h264 aac": ("mov", "libx264", "aac")}
+         "mkv av1": ("matroska", "libsvtav1", ""), "mov h264 aac": ("mov", "libx264", "aac"),
+         "webm av1 opus": ("webm", "libsvtav1", "libopus"), "mp4 av1 aac": ("mp4", "libsvtav1", "aac"),
+         "mkv h264 aac": ("matroska", "libx264", "aac"), "mp4 hevc aac": ("mp4", "libx265", "aac"),
+         "webm vp8 opus": ("webm", "libvpx", "libopus")}
 # Both sides resize the same uint8 frames with PIL's bicubic filter, then rescale and normalise in float32.
 PIXEL_ATOL = 1e-6
 
@@ -135,6 +139,151 @@ def test_a_silent_clip_cannot_be_heard(pre, clips):
     frames = preprocess_pb2.MediaItem(video=omni_pb2.Video(frames=[omni_pb2.Image(data=b"x")], use_audio_in_video=True))
     with pytest.raises(InvalidArgument, match="media item 2: use_audio_in_video needs a video file"):
         prepare(pre, 2, frames)
+
+
+def test_a_soundtrack_not_heard_is_never_decoded(pre, clips):
+    """Without use_audio_in_video the audio stream is not read at all (Qwen's processor ignores it): a file whose
+    soundtrack cannot be decoded gives the same frames as the good file, and is refused only when heard."""
+    from omni.stage.v1 import preprocess_pb2
+    from omni.v1 import omni_pb2
+    from services.preprocess.server import prepare
+
+    good = clips["mp4 h264 aac"]
+    bad = garbled_sound(good, "mp4")
+    item = lambda heard: preprocess_pb2.MediaItem(video=omni_pb2.Video(file=bad, use_audio_in_video=heard))
+    with pytest.raises(InvalidArgument, match="media item 0: cannot decode video: Invalid data"):
+        prepare(pre, 0, item(True))
+    (video,) = prepare(pre, 0, item(False))
+    assert not video.with_audio and video.soundtrack is None
+    assert np.array_equal(video.values, pre.video_file(good, 0.0).values)
+
+
+def portrait() -> np.ndarray:
+    """A scene 96 wide and 128 tall: a white top-left corner over a vertical gradient, [128, 96, 3] uint8."""
+    img = np.repeat(np.linspace(0, 200, 128, dtype=np.uint8)[:, None, None], 96, axis=1).repeat(3, axis=2)
+    img[:40, :30] = 255
+    return img
+
+
+def turned_clip(stored: np.ndarray, muxer: str, codec: str, ccw: float | None = None, hflip: bool = False,
+                tag: str | None = None) -> bytes:
+    """1 s of `stored` at 25 fps whose display matrix turns it `ccw` degrees counterclockwise (then mirrors it), as
+    a phone writes one, or whose stream carries a `rotate` tag instead."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=muxer) as out:
+        v = out.add_stream(codec, rate=25)
+        v.height, v.width = stored.shape[:2]
+        v.pix_fmt = "yuv420p"
+        if ccw is not None:
+            v.set_display_rotation(ccw, hflip=hflip)
+        if tag is not None:
+            v.metadata["rotate"] = tag
+        for _ in range(25):
+            for packet in v.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(stored), format="rgb24")):
+                out.mux(packet)
+        for packet in v.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+# name -> (stored frame, muxer, codec, display matrix's counterclockwise degrees, hflip, rotate tag): each shows portrait()
+TURNED = {
+    "phone portrait mp4": (np.rot90(portrait(), 1), "mp4", "libx264", -90, False, None),
+    "mov turned the other way": (np.rot90(portrait(), -1), "mov", "libx264", 90, False, None),
+    "webm upside down": (np.rot90(portrait(), 2), "webm", "libvpx-vp9", 180, False, None),
+    "mp4 mirrored": (portrait()[:, ::-1], "mp4", "libx264", 0, True, None),
+    "mp4 transposed": (portrait().transpose(1, 0, 2), "mp4", "libx264", -90, True, None),
+    "mov anti-transposed": (np.rot90(portrait(), -1)[::-1], "mov", "libx264", 90, True, None),
+    "mkv rotate tag": (np.rot90(portrait(), 1), "matroska", "libx264", None, False, "90"),
+}
+# Mean absolute error of a decoded frame: H.264 and VP9 at their default quality on smooth content.
+TURNED_ATOL = 4.0
+
+
+@pytest.mark.parametrize("name", list(TURNED))
+def test_frames_come_out_as_a_player_shows_them(pre, name):
+    stored, muxer, codec, ccw, hflip, tag = TURNED[name]
+    data = turned_clip(stored, muxer, codec, ccw, hflip, tag)
+    clip = decode_video(data, pre.limits, "media item 0", 2.0, 2, 16000)
+    assert clip.frames.shape == (4, 128, 96, 3)
+    err = np.abs(clip.frames.astype(np.float32) - portrait()).mean(axis=(1, 2, 3))
+    assert (err < TURNED_ATOL).all(), err
+    if stored.shape == portrait().shape:  # the file's own orientation would fail the check above
+        assert np.abs(stored.astype(np.float32) - portrait()).mean() > 3 * TURNED_ATOL
+    upright = pre.video_file(turned_clip(portrait(), muxer, codec), 0.0)
+    assert pre.video_file(data, 0.0).grid_thw == upright.grid_thw and upright.grid_thw[1] > upright.grid_thw[2]
+
+
+def test_evenly_spaced_timestamps_sample_as_transformers():
+    """Timestamps on an even grid, rounded to a millisecond as WebM stores them, pick transformers' frames."""
+    ref = transformers_sample_frames()
+    for total, rate, fps in [(50, 25.0, 2.0), (7, 30.0, 2.0), (2997, 29.97, 2.0), (2000, 29.97, 2.0), (90, 30.0, 0.5), (61, 24.0, 5.0)]:
+        pts = np.round(np.arange(total) * 1000 / rate).astype(np.int64)
+        keep, kept = sample_times(pts, int(round(total * 1000 / rate)), Fraction(1, 1000), Fraction(rate), fps, 2)
+        assert keep.tolist() == ref(total, rate, fps).tolist(), (total, rate, fps)
+        assert kept == pytest.approx(len(keep) / total * rate)
+
+
+MS = Fraction(1, 1000)
+# A variable rate: 1 s at 20 fps, then 2 s at 4 fps (28 frames); frame i is grey level 8 * i.
+VFR_PTS = list(range(0, 1000, 50)) + list(range(1000, 3000, 250))
+
+
+def vfr_clip(muxer: str, codec: str) -> bytes:
+    """VFR_PTS (ms) as a file, each frame's packet lasting until the next frame (the last, 250 ms)."""
+    lasts = dict(zip(VFR_PTS, np.diff([*VFR_PTS, 3000]).tolist()))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=muxer) as out:
+        v = out.add_stream(codec, rate=20)
+        v.width, v.height, v.pix_fmt = 64, 48, "yuv420p"
+        v.codec_context.time_base = MS
+
+        def mux(packets):
+            for p in packets:
+                p.duration = int(lasts[p.pts] * MS / p.time_base)
+                out.mux(p)
+
+        for i, t in enumerate(VFR_PTS):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 8 * i, np.uint8), format="rgb24")
+            frame.pts, frame.time_base = t, MS
+            mux(v.encode(frame))
+        mux(v.encode(None))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("muxer,codec", [("matroska", "libx264"), ("webm", "libvpx-vp9"), ("mp4", "libx264")])
+def test_a_variable_rate_is_sampled_by_its_timestamps(tiny_model, pre, muxer, codec):
+    """3 s sampled at 2 fps: the frames on screen at 0, 0.5, ..., 2.5 s (each starts at its instant, so it is also
+    the nearest), not every 28/6th frame; one temporal patch is 1 s, so M-RoPE's time row steps 13 a patch."""
+    from services.model.positions import Layout, mrope_positions, tokens_from_config
+    from services.model.spec import OmniSpec
+
+    data = vfr_clip(muxer, codec)
+    with av.open(io.BytesIO(data)) as c:
+        rate = c.streams.video[0].average_rate
+    shown = [VFR_PTS.index(t) for t in (0, 500, 1000, 1500, 2000, 2500)]
+    assert sample_indices(len(VFR_PTS), float(rate), 2.0, 2).tolist() != shown  # by index at the container's rate
+    clip = decode_video(data, pre.limits, "media item 0", 2.0, 2, 16000)
+    assert np.round(clip.frames.mean(axis=(1, 2, 3)) / 8).astype(int).tolist() == shown
+    video = pre.video_file(data, 0.0)
+    assert clip.fps == pytest.approx(2.0) and video.second_per_grid == pytest.approx(1.0) and video.grid_thw[0] == 3
+    tok = tokens_from_config(OmniSpec.load(tiny_model).thinker)
+    ids = [tok.vision_start] + [tok.video] * video.num_tokens + [tok.vision_start + 1]
+    layout = Layout(video_grid_thw=[video.grid_thw], video_second_per_grid=[video.second_per_grid])
+    t_row = mrope_positions(ids, layout, tok)[0][0, 1:-1]
+    assert sorted(set((t_row - 1).tolist())) == [0.0, 13.0, 26.0]
+
+
+def test_a_frame_on_screen_at_two_instants_is_sampled_twice():
+    """A frame held for a second, sampled at 2 fps, is what a viewer sees at both instants."""
+    pts = np.array([0, 1000, 1100, 1200, 1300], dtype=np.int64)
+    keep, kept = sample_times(pts, 2000, MS, Fraction(5, 2), 2.0, 2)
+    assert keep.tolist() == [0, 0, 1, 4] and kept == 2.0  # instants 0, 0.5, 1 and 1.5 s
+
+
+def test_a_lone_frame_keeps_nothing_even_without_a_duration():
+    keep, kept = sample_times(np.array([40], dtype=np.int64), 40, MS, None, 2.0, 2)
+    assert len(keep) == 0 and kept == 0.0
 
 
 def test_fps_samples_the_file(pre, clips):

@@ -362,7 +362,7 @@ def test_error_texts_carry_no_python_reprs(native_mesh):
 
     cases = bad_requests()
     for name in ("corrupt image", "truncated image", "corrupt audio", "truncated audio", "reserved token in text",
-                 "unknown voice"):
+                 "unknown voice", "garbled soundtrack heard"):
         err = error_of(native_mesh.gateway_address, cases[name][0])
         assert err is not None and err.code() == cases[name][1], name
         for repr_mark in ("object at 0x", "[Errno", "'", "Error:"):
