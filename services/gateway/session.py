@@ -4,6 +4,7 @@ conversation kept within a token budget, oldest turns dropped first."""
 
 import asyncio
 import logging
+import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import grpc
 
 from omni.v1 import omni_pb2
 from services.gateway.history import Exchange, History
-from services.gateway.orchestrator import SAMPLE_RATE, Outbox
+from services.gateway.orchestrator import SAMPLE_RATE, Outbox, Progress
 from services.gateway.validate import resolve
 from services.gateway.vad import AGGRESSIVENESS, FRAME_MS, RATE, SILENCE_MS, SPEECH_MS, InputAudio, TurnDetector
 from services.runtime.errors import FailedPrecondition, InvalidArgument, OmniError, ResourceExhausted
@@ -31,6 +32,7 @@ class Turn:
     want_text: bool
     want_audio: bool
     task: asyncio.Task | None = None
+    progress: Progress = field(default_factory=lambda: Progress(time.perf_counter()))  # what a stopped turn used
     token_ids: list[int] = field(default_factory=list)
     frames_sent: int = 0
     samples_sent: int = 0
@@ -249,7 +251,7 @@ class Session:
     async def _run_turn(self, turn: Turn, req: omni_pb2.GenerateRequest) -> None:
         rid = turn.exchange.id
         try:
-            async with aclosing(self.gw.generate(req, None)) as responses:
+            async with aclosing(self.gw.generate(req, None, turn.progress)) as responses:
                 async for r in responses:
                     kind = r.WhichOneof("event")
                     if kind == "text":
@@ -287,13 +289,13 @@ class Session:
         transcript = self.gw.prompts.tokenizer.decode(ids, skip_special_tokens=True)
         if turn.finished is not None:
             usage = turn.finished.usage
-        else:
-            usage = omni_pb2.Usage(completion_tokens=len(turn.token_ids), audio_frames=turn.frames_sent,
-                                   audio_seconds=turn.samples_sent / SAMPLE_RATE)
+        else:  # the prompt it was given, the tokens made before the cut, the audio that reached the client
+            usage = turn.progress.usage()
+            usage.audio_frames, usage.audio_seconds = turn.frames_sent, turn.samples_sent / SAMPLE_RATE
         if status == omni_pb2.TURN_STATUS_FAILED:
             self.history.forget(ex)
-        else:
-            self.history.answered(ex, transcript.strip(), len(ids), usage.prompt_tokens if turn.finished is not None else None)
+        else:  # a turn stopped before its prompt was laid out has its tokens estimated
+            self.history.answered(ex, transcript.strip(), len(ids), usage.prompt_tokens or None)
         reason = turn.finished.reason if turn.finished is not None else omni_pb2.FINISH_REASON_UNSPECIFIED
         self._emit(ex.id, done=omni_pb2.TurnDone(status=status, reason=reason, usage=usage, transcript=ex.answer))
         self._truncate()

@@ -59,6 +59,23 @@ def answer(events) -> dict:
     return {"kinds": kinds, "audio": audio, "transcript": transcript, "done": events[-1].response}
 
 
+async def input_tokens_of(door, clip: bytes, vad: bool) -> int:
+    """The input tokens of a completed first response to `clip` in a fresh session, committed by the server's turn
+    detection (as the same audio would be anywhere) or by the client."""
+    async with connect(door) as conn:
+        await until(conn, "session.created")
+        vad_ = {} if vad else {"audio": {"input": {"turn_detection": None}}}
+        await conn.session.update(session={"type": "realtime", **vad_, **SHORT})
+        await until(conn, "session.updated")
+        await append(conn, clip)
+        if not vad:
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+        done = (await until(conn, "response.done"))[-1].response
+    assert done.status == "completed", done
+    return done.usage.input_tokens
+
+
 def test_three_turns_through_openai_realtime_client(door):
     async def talk():
         async with connect(door) as conn:
@@ -139,6 +156,9 @@ def test_response_cancel_frees_every_stage(door, native_mesh):
     (seconds, held), done = asyncio.run(talk())
     assert seconds < 2 * FREED_S and all(v == (0, 0) for v in held.values()), (seconds, held)
     assert done.response.status == "cancelled" and done.response.status_details.reason == "client_cancelled"
+    u = done.response.usage  # what the cut turn used: its whole prompt, and the tokens made before the cut
+    assert u.input_tokens == asyncio.run(input_tokens_of(door, speech_clip(0.5), vad=False))
+    assert 0 < u.output_tokens < 250 and u.total_tokens == u.input_tokens + u.output_tokens
 
 
 def test_bad_events_get_error_events_and_the_session_goes_on(door):
@@ -228,5 +248,7 @@ def test_speaking_over_an_answer_stops_it_everywhere(door, native_mesh):
     assert "input_audio_buffer.speech_started" in kinds
     done = events[-1].response
     assert done.status == "cancelled" and done.status_details.reason == "turn_detected"
+    assert done.usage.input_tokens == asyncio.run(input_tokens_of(door, speech_clip(0.6, 0, silence_s=0.8), vad=True))
+    assert 0 < done.usage.output_tokens < 250
     # nothing more of the answer after the user spoke
     assert "response.output_audio.delta" not in kinds[kinds.index("input_audio_buffer.speech_started"):]

@@ -76,6 +76,13 @@ def tokenizer(native_mesh):
     return AutoTokenizer.from_pretrained(native_mesh.cfg.model.dir)
 
 
+def prompt_tokens(mesh, messages: list[omni_pb2.Message]) -> int:
+    """The prompt tokens Generate reports for `messages`."""
+    req = omni_pb2.GenerateRequest(messages=messages)
+    req.sampling.max_tokens = 1
+    return generate(mesh.gateway_address, req).finished.usage.prompt_tokens
+
+
 def spoken(tokenizer, answer) -> str:
     return tokenizer.decode(answer.token_ids[:answer.frames], skip_special_tokens=True).strip()
 
@@ -150,7 +157,9 @@ def test_cancel_stops_every_stage_at_once_and_keeps_what_was_said(native_mesh, t
     assert first.done.status == omni_pb2.TURN_STATUS_CANCELLED and first.frames > 0
     assert len(first.token_ids) > first.frames  # the thinker was ahead of the speech: its text past it is not kept
     assert first.done.transcript == spoken(tokenizer, first)
-    assert first.done.usage.audio_frames == first.frames and first.done.usage.prompt_tokens == 0
+    u = first.done.usage
+    assert u.audio_frames == first.frames and len(first.token_ids) <= u.completion_tokens < 250
+    assert u.prompt_tokens == prompt_tokens(native_mesh, [user(pcm_part(clips[0], rate))])
     assert second.done.status == omni_pb2.TURN_STATUS_COMPLETED
     history = [user(pcm_part(clips[0], rate)),
                omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.Part(text=first.done.transcript)]),
@@ -188,6 +197,12 @@ def test_speaking_over_an_answer_stops_it(native_mesh, tokenizer):
     assert seconds < FREED_S and all(v == (0, 0) for v in held.values()), (seconds, held)
     assert first.done.status == omni_pb2.TURN_STATUS_INTERRUPTED and "speech_started" in first.kinds
     assert first.done.transcript == spoken(tokenizer, first)
+    # the prompt held the committed audio (16 kHz in the session), whatever its samples: Generate counts the same
+    committed = next(e.committed for e in first.events if e.HasField("committed"))
+    silent = np.zeros(round(committed.audio_seconds * 16000), "<i2").tobytes()
+    u = first.done.usage
+    assert u.prompt_tokens == prompt_tokens(native_mesh, [user(pcm_part(silent, 16000))])
+    assert len(first.token_ids) <= u.completion_tokens < 250 and u.audio_frames == first.frames
     kinds = first.kinds[len(first.kinds) - 1 - first.kinds[::-1].index("speech_started"):]
     assert kinds == ["speech_started", "done"], kinds  # nothing more of the answer after the user spoke
     assert second.kinds[:3] == ["speech_stopped", "committed", "started"] and second.done.status == omni_pb2.TURN_STATUS_COMPLETED
