@@ -1,6 +1,7 @@
 """/v1/realtime through OpenAI's own realtime client, in front of the CPU mesh: a conversation of three turns with
 PCM16 audio in and out, turns committed by the server's turn detection, G.711 both ways, a cancel that frees every
-stage, and bad events answered with error events while the session goes on."""
+stage and reports what the cut turn used, eight sessions at once, and bad events answered with error events while
+the session goes on."""
 
 import asyncio
 import base64
@@ -56,7 +57,7 @@ def answer(events) -> dict:
     kinds = [e.type for e in events]
     audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
     transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
-    return {"kinds": kinds, "audio": audio, "transcript": transcript, "done": events[-1].response}
+    return {"kinds": kinds, "audio": audio, "transcript": transcript, "done": events[-1].response, "events": events}
 
 
 async def input_tokens_of(door, clip: bytes, vad: bool) -> int:
@@ -221,6 +222,49 @@ def test_a_websocket_that_closes_frees_every_stage(door, native_mesh):
     assert seconds < 1.0 and all(v == (0, 0) for v in held.values()), (seconds, held)
     port = native_mesh.cfg.gateway.replicas[0].metrics_port
     assert metric(port, "omni_inflight_requests", method="Converse") == 0
+
+
+def test_eight_sessions_at_once(door, native_mesh):
+    """Eight WebSockets side by side, each a conversation of two spoken turns (half committed by the client, half by
+    the server's turn detection): every answer completes with speech, each session's events are its own, and once
+    they close no stage holds anything."""
+    from client_util import metric
+    from conftest import wait_until
+
+    async def session(i: int) -> tuple[str, list]:
+        vad = i % 2 == 1
+        async with connect(door) as conn:
+            sid = (await until(conn, "session.created"))[-1].session.id
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"], **SHORT,
+                                               **({} if vad else {"audio": {"input": {"turn_detection": None}}})})
+            await until(conn, "session.updated")
+            turns = []
+            for turn in range(2):
+                await append(conn, speech_clip(0.5, seed=10 * i + turn, silence_s=0.8 if vad else 0.0))
+                if not vad:
+                    await conn.input_audio_buffer.commit()
+                    await conn.response.create()
+                turns.append(answer(await until(conn, "response.done", timeout=180)))
+            return sid, turns
+
+    async def all_of_them():
+        load = Load(native_mesh)
+        sessions = await asyncio.gather(*(session(i) for i in range(8)))
+        freed = await load.freed_within(time.perf_counter())
+        await load.close()
+        return sessions, freed
+
+    sessions, (_, held) = asyncio.run(all_of_them())
+    assert len({sid for sid, _ in sessions}) == 8
+    for sid, turns in sessions:
+        for a in turns:
+            done = a["done"]
+            assert done.status == "completed" and len(a["audio"]) > 0 and done.conversation_id == sid, a["kinds"]
+            assert a["transcript"] and all(e.response_id == done.id for e in a["events"] if hasattr(e, "response_id"))
+        assert turns[0]["done"].usage.input_tokens < turns[1]["done"].usage.input_tokens  # the second held the first
+    assert all(v == (0, 0) for v in held.values()), held
+    port = native_mesh.cfg.gateway.replicas[0].metrics_port
+    assert wait_until(lambda: metric(port, "omni_inflight_requests", method="Converse") == 0, 5.0)
 
 
 def test_speaking_over_an_answer_stops_it_everywhere(door, native_mesh):
