@@ -120,8 +120,10 @@ def test_turn_detection_commits_on_silence(native_mesh):
         at = 0.5 + 2.3 * i  # where this turn's speech starts in the session's audio
         assert at - 0.1 <= started <= at + 0.2 and at + 1.0 < stopped <= at + 1.0 + 0.8, (started, stopped)
         assert 1.0 < a.events[2].committed.audio_seconds < 1.0 + 0.8 + 0.5
+        assert a.events[0].speech_started.item_id == a.events[1].speech_stopped.item_id == a.events[2].committed.item_id
         assert a.done.status == omni_pb2.TURN_STATUS_COMPLETED and a.audio and a.token_ids
     assert answers[1].done.usage.prompt_tokens > answers[0].done.usage.prompt_tokens
+    assert answers[0].events[2].committed.item_id != answers[1].events[2].committed.item_id
     assert [e.WhichOneof("event") for e in quiet] == ["cleared"]
 
 
@@ -139,6 +141,9 @@ def test_cancel_stops_every_stage_at_once_and_keeps_what_was_said(native_mesh, t
             await c.audio(clips[0], rate)
             await c.send(commit=omni_pb2.Commit())
             got = await hold_busy(c, load)
+            answer_item = next(e.started.item_id for e in got if e.HasField("started"))
+            await c.send(delete_item=omni_pb2.DeleteItem(item_id=answer_item))
+            got += await c.until("error")
             t0 = time.perf_counter()
             await c.send(cancel=omni_pb2.Cancel())
             freed = await load.freed_within(t0)
@@ -155,6 +160,7 @@ def test_cancel_stops_every_stage_at_once_and_keeps_what_was_said(native_mesh, t
     (seconds, held), first, second = run(converse())
     assert seconds < FREED_S and all(v == (0, 0) for v in held.values()), (seconds, held)
     assert first.done.status == omni_pb2.TURN_STATUS_CANCELLED and first.frames > 0
+    assert first.errors[0].code == "FAILED_PRECONDITION" and "answer in progress" in first.errors[0].message
     assert len(first.token_ids) > first.frames  # the thinker was ahead of the speech: its text past it is not kept
     assert first.done.transcript == spoken(tokenizer, first)
     u = first.done.usage
@@ -228,6 +234,65 @@ def test_a_client_that_leaves_frees_everything(native_mesh):
     assert seconds < 1.0 and all(v == (0, 0) for v in held.values()), (seconds, held)
     port = native_mesh.cfg.gateway.replicas[0].metrics_port
     assert metric(port, "omni_inflight_requests", method="Converse") == 0
+
+
+def test_items_deleted_and_an_answer_cut_leave_the_conversation_as_told(native_mesh, tokenizer):
+    """Each user message and answer is an item, named by the client or by the session: deleting some and cutting an
+    answer to the audio heard leave the next prompt the conversation so changed, as Generate over it shows; unknown
+    ids and bad cuts are errors that change nothing."""
+    rate = 16000
+    s = settings(long=True, tokens=12, frames=12, rate=rate, return_codec_codes=True)
+    clips = [speech_clip(0.5, seed=20 + i, rate=rate) for i in range(3)]
+
+    async def converse():
+        async with Conversation(native_mesh.gateway_address) as c:
+            await c.start(s)
+            answers, errors, events = [], {}, {}
+            for i, clip in enumerate(clips[:2]):
+                await c.audio(clip, rate)
+                await c.send(commit=omni_pb2.Commit(item_id="mine" if i == 0 else ""))
+                answers.append(await c.turn())
+            ids = [(next(e.committed.item_id for e in a.events if e.HasField("committed")),
+                    next(e.started.item_id for e in a.events if e.HasField("started"))) for a in answers]
+            half = answers[0].samples / 24000 / 2
+
+            async def send(name, expect, **event):
+                await c.send(**event)
+                got = (await c.until(expect))[-1]
+                (errors if expect == "error" else events)[name] = getattr(got, expect)
+
+            await send("unknown", "error", delete_item=omni_pb2.DeleteItem(item_id="nope"))
+            await send("no id", "error", truncate_item=omni_pb2.TruncateItem())
+            await send("cut a user item", "error", truncate_item=omni_pb2.TruncateItem(item_id="mine", audio_end_seconds=0.1))
+            await send("cut past the audio", "error", truncate_item=omni_pb2.TruncateItem(item_id=ids[0][1], audio_end_seconds=3 * half))
+            await c.audio(clips[2], rate)
+            await send("taken id", "error", commit=omni_pb2.Commit(item_id=ids[1][1]))
+            await send("delete", "item_deleted", delete_item=omni_pb2.DeleteItem(item_id="mine"))
+            await send("delete again", "error", delete_item=omni_pb2.DeleteItem(item_id="mine"))
+            await send("delete answer", "item_deleted", delete_item=omni_pb2.DeleteItem(item_id=ids[1][1]))
+            await send("cut", "item_truncated", truncate_item=omni_pb2.TruncateItem(item_id=ids[0][1], audio_end_seconds=half))
+            await c.send(commit=omni_pb2.Commit())  # the audio held since the refused commit
+            return ids, answers, errors, events, await c.turn()
+
+    ids, answers, errors, events, last = run(converse())
+    assert ids[0][0] == "mine" and len({x for pair in ids for x in pair}) == 4, ids
+    assert all(a.done.status == omni_pb2.TURN_STATUS_COMPLETED and a.frames == 12 for a in answers)
+    expect = {"unknown": ("NOT_FOUND", "'nope'"), "no id": ("NOT_FOUND", "no item"),
+              "cut a user item": ("INVALID_ARGUMENT", "user message"), "cut past the audio": ("INVALID_ARGUMENT", "outside"),
+              "taken id": ("INVALID_ARGUMENT", "already in the conversation"), "delete again": ("NOT_FOUND", "'mine'")}
+    for name, (code, words) in expect.items():
+        assert errors[name].code == code and words in errors[name].message, (name, errors[name])
+    assert events["delete"].item_id == "mine" and events["delete answer"].item_id == ids[1][1]
+    cut = events["cut"]
+    heard = tokenizer.decode(answers[0].token_ids[:6], skip_special_tokens=True).strip()  # 6 of its 12 frames
+    assert cut.item_id == ids[0][1] and cut.transcript == heard and heard != answers[0].done.transcript
+    history = ([omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.Part(text=heard)])] if heard else []) \
+        + [user(pcm_part(clips[1], rate)), user(pcm_part(clips[2], rate))]
+    ref = generate(native_mesh.gateway_address, omni_pb2.GenerateRequest(
+        messages=history, output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO], sampling=s.sampling,
+        talker_sampling=s.talker_sampling))
+    assert last.done.status == omni_pb2.TURN_STATUS_COMPLETED and last.token_ids == ref.token_ids
+    assert last.done.usage.prompt_tokens == ref.finished.usage.prompt_tokens
 
 
 def test_eight_sessions_at_once(native_mesh):
