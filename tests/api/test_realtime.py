@@ -1,7 +1,7 @@
 """/v1/realtime through OpenAI's own realtime client, in front of the CPU mesh: a conversation of three turns with
 PCM16 audio in and out, turns committed by the server's turn detection, G.711 both ways, a cancel that frees every
-stage and reports what the cut turn used, eight sessions at once, and bad events answered with error events while
-the session goes on."""
+stage and reports what the cut turn used, items deleted and truncated, eight sessions at once, and bad events
+answered with error events while the session goes on."""
 
 import asyncio
 import base64
@@ -194,6 +194,59 @@ def test_bad_events_get_error_events_and_the_session_goes_on(door):
     for name, words in expect.items():
         assert words in errors[name].message, (name, errors[name])
     assert done.response.status == "completed" and done.response.usage.output_tokens > 0
+
+
+def test_items_deleted_and_truncated(door):
+    """conversation.item.delete and .truncate over the session's conversation: with the first exchange's user item
+    deleted and its answer cut to no audio, the same question again is answered from the same prompt; unknown ids
+    get errors."""
+    hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
+
+    async def talk():
+        async with connect(door) as conn:
+            await until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}, **SHORT})
+            await until(conn, "session.updated")
+            await conn.conversation.item.create(item={"id": "hello_1", **hello})
+            added = (await until(conn, "conversation.item.added"))[-1]
+            await conn.response.create()
+            first = answer(await until(conn, "response.done"))
+            answer_id = first["done"].output[0].id
+            errors, events = {}, {}
+            for name, event in {
+                "delete unknown": {"type": "conversation.item.delete", "item_id": "nope"},
+                "truncate unknown": {"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 0},
+                "truncate a user item": {"type": "conversation.item.truncate", "item_id": "hello_1", "content_index": 0, "audio_end_ms": 0},
+                "truncate past the audio": {"type": "conversation.item.truncate", "item_id": answer_id, "content_index": 0, "audio_end_ms": 60_000},
+                "no item id": {"type": "conversation.item.delete"},
+            }.items():
+                await conn.send(event)
+                errors[name] = (await until(conn, "error"))[-1].error
+            half_ms = len(first["audio"]) // 2 * 1000 // 24000 // 2
+            await conn.conversation.item.truncate(item_id=answer_id, content_index=0, audio_end_ms=half_ms)
+            events["half"] = (await until(conn, "conversation.item.truncated"))[-1]
+            await conn.conversation.item.truncate(item_id=answer_id, content_index=0, audio_end_ms=0)
+            events["none"] = (await until(conn, "conversation.item.truncated"))[-1]
+            await conn.conversation.item.delete(item_id="hello_1")
+            events["deleted"] = (await until(conn, "conversation.item.deleted"))[-1]
+            await conn.conversation.item.create(item={"id": "hello_2", **hello})
+            await until(conn, "conversation.item.added")
+            await conn.response.create()
+            second = answer(await until(conn, "response.done"))
+            return added, first, errors, events, second
+
+    added, first, errors, events, second = asyncio.run(talk())
+    assert added.item.id == "hello_1" and first["done"].status == "completed" and first["audio"]
+    expect = {"delete unknown": "'nope'", "truncate unknown": "'nope'", "truncate a user item": "user message",
+              "truncate past the audio": "outside", "no item id": "item_id"}
+    for name, words in expect.items():
+        assert words in errors[name].message, (name, errors[name])
+    assert errors["delete unknown"].code == "not_found"
+    assert events["half"].item_id == first["done"].output[0].id and events["half"].audio_end_ms > 0
+    assert events["none"].audio_end_ms == 0 and events["deleted"].item_id == "hello_1"
+    # nothing is left of the first exchange: the second's prompt is the first's
+    assert second["done"].status == "completed"
+    assert second["done"].usage.input_tokens == first["done"].usage.input_tokens
 
 
 def test_a_websocket_that_closes_frees_every_stage(door, native_mesh):
