@@ -320,6 +320,50 @@ def test_eight_sessions_at_once(native_mesh):
     assert all(v == (0, 0) for v in held.values()), held
 
 
+def test_the_command_line_client_holds_a_conversation(native_mesh, tmp_path):
+    """`services.client --converse` speaks each file as a turn of one session and writes each answer's speech: the
+    first answer is Generate's over that audio, sample for sample, and the second turn's prompt holds the first."""
+    import re
+    import subprocess
+    import sys
+    import wave
+
+    from services.runtime.config import REPO_ROOT
+
+    rate = 16000  # the audio tower's: the file's samples reach the prompt as they are
+    clips = [speech_clip(0.5, seed=30 + i, rate=rate) for i in range(2)]
+    files = []
+    for i, clip in enumerate(clips):
+        files.append(tmp_path / f"turn{i}.wav")
+        with wave.open(str(files[-1]), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(rate)
+            w.writeframes(clip)
+    cmd = [sys.executable, "-m", "services.client", "--address", native_mesh.gateway_address, "--speech",
+           str(tmp_path / "answer.wav"), "--max-tokens", "6", "--max-frames", "10", "--temperature", "0"]
+    for f in files:
+        cmd += ["--converse", str(f)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    summaries = [line for line in done.stderr.splitlines() if line.startswith("[TURN_STATUS_COMPLETED]")]
+    prompts = [int(re.match(r"\[\w+\] (\d+) prompt", line).group(1)) for line in summaries]
+    assert len(prompts) == 2 and prompts[0] < prompts[1], done.stderr
+    answers = []
+    for i in (1, 2):
+        with wave.open(str(tmp_path / f"answer-{i}.wav")) as w:
+            assert (w.getnchannels(), w.getframerate()) == (1, 24000)
+            answers.append(w.readframes(w.getnframes()))
+    assert all(answers)
+    s = settings(rate=rate)
+    ref = generate(native_mesh.gateway_address, omni_pb2.GenerateRequest(
+        messages=[user(pcm_part(clips[0], rate))], output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO],
+        sampling=s.sampling, talker_sampling=s.talker_sampling))
+    assert prompts[0] == ref.finished.usage.prompt_tokens
+    assert np.array_equal(np.frombuffer(answers[0], "<i2"), np.round(np.concatenate(ref.pcm) * 32767).astype("<i2"))
+    assert done.stdout.splitlines()[0] == ref.text
+
+
 def test_bad_events_get_errors_and_the_session_goes_on(native_mesh):
     """Each bad event gets an error naming its problem; the session keeps its settings, its conversation and its
     audio, and answers the next good turn."""
