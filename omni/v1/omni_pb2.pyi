@@ -328,10 +328,12 @@ class SessionSettings(_message.Message):
     def __init__(self, output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., voice: _Optional[str] = ..., instructions: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., talker_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., input_encoding: _Optional[_Union[PcmEncoding, str]] = ..., input_sample_rate: _Optional[int] = ..., turn_detection: _Optional[_Union[TurnDetection, _Mapping]] = ..., return_codec_codes: _Optional[bool] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("hold",)
+    __slots__ = ("hold", "item_id")
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     hold: bool
-    def __init__(self, hold: _Optional[bool] = ...) -> None: ...
+    item_id: str
+    def __init__(self, hold: _Optional[bool] = ..., item_id: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ()
@@ -343,21 +345,39 @@ class Clear(_message.Message):
     history: bool
     def __init__(self, history: _Optional[bool] = ...) -> None: ...
 
+class DeleteItem(_message.Message):
+    __slots__ = ("item_id",)
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    def __init__(self, item_id: _Optional[str] = ...) -> None: ...
+
+class TruncateItem(_message.Message):
+    __slots__ = ("item_id", "audio_end_seconds")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_END_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    audio_end_seconds: float
+    def __init__(self, item_id: _Optional[str] = ..., audio_end_seconds: _Optional[float] = ...) -> None: ...
+
 class ConverseRequest(_message.Message):
-    __slots__ = ("settings", "audio", "item", "commit", "cancel", "clear")
+    __slots__ = ("settings", "audio", "item", "commit", "cancel", "clear", "delete_item", "truncate_item")
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     ITEM_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CLEAR_FIELD_NUMBER: _ClassVar[int]
+    DELETE_ITEM_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_ITEM_FIELD_NUMBER: _ClassVar[int]
     settings: SessionSettings
     audio: bytes
     item: Message
     commit: Commit
     cancel: Cancel
     clear: Clear
-    def __init__(self, settings: _Optional[_Union[SessionSettings, _Mapping]] = ..., audio: _Optional[bytes] = ..., item: _Optional[_Union[Message, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., clear: _Optional[_Union[Clear, _Mapping]] = ...) -> None: ...
+    delete_item: DeleteItem
+    truncate_item: TruncateItem
+    def __init__(self, settings: _Optional[_Union[SessionSettings, _Mapping]] = ..., audio: _Optional[bytes] = ..., item: _Optional[_Union[Message, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., clear: _Optional[_Union[Clear, _Mapping]] = ..., delete_item: _Optional[_Union[DeleteItem, _Mapping]] = ..., truncate_item: _Optional[_Union[TruncateItem, _Mapping]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "settings")
@@ -368,28 +388,36 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., settings: _Optional[_Union[SessionSettings, _Mapping]] = ...) -> None: ...
 
 class SpeechStarted(_message.Message):
-    __slots__ = ("audio_start_seconds",)
+    __slots__ = ("audio_start_seconds", "item_id")
     AUDIO_START_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     audio_start_seconds: float
-    def __init__(self, audio_start_seconds: _Optional[float] = ...) -> None: ...
+    item_id: str
+    def __init__(self, audio_start_seconds: _Optional[float] = ..., item_id: _Optional[str] = ...) -> None: ...
 
 class SpeechStopped(_message.Message):
-    __slots__ = ("audio_end_seconds",)
+    __slots__ = ("audio_end_seconds", "item_id")
     AUDIO_END_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     audio_end_seconds: float
-    def __init__(self, audio_end_seconds: _Optional[float] = ...) -> None: ...
+    item_id: str
+    def __init__(self, audio_end_seconds: _Optional[float] = ..., item_id: _Optional[str] = ...) -> None: ...
 
 class TurnCommitted(_message.Message):
-    __slots__ = ("audio_seconds", "parts")
+    __slots__ = ("audio_seconds", "parts", "item_id")
     AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     audio_seconds: float
     parts: int
-    def __init__(self, audio_seconds: _Optional[float] = ..., parts: _Optional[int] = ...) -> None: ...
+    item_id: str
+    def __init__(self, audio_seconds: _Optional[float] = ..., parts: _Optional[int] = ..., item_id: _Optional[str] = ...) -> None: ...
 
 class TurnStarted(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("item_id",)
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    def __init__(self, item_id: _Optional[str] = ...) -> None: ...
 
 class TurnDone(_message.Message):
     __slots__ = ("status", "reason", "usage", "transcript")
@@ -419,6 +447,22 @@ class InputCleared(_message.Message):
     history: bool
     def __init__(self, history: _Optional[bool] = ...) -> None: ...
 
+class ItemDeleted(_message.Message):
+    __slots__ = ("item_id",)
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    def __init__(self, item_id: _Optional[str] = ...) -> None: ...
+
+class ItemTruncated(_message.Message):
+    __slots__ = ("item_id", "audio_end_seconds", "transcript")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_END_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    audio_end_seconds: float
+    transcript: str
+    def __init__(self, item_id: _Optional[str] = ..., audio_end_seconds: _Optional[float] = ..., transcript: _Optional[str] = ...) -> None: ...
+
 class ConverseError(_message.Message):
     __slots__ = ("code", "message", "event")
     CODE_FIELD_NUMBER: _ClassVar[int]
@@ -430,7 +474,7 @@ class ConverseError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., event: _Optional[str] = ...) -> None: ...
 
 class ConverseResponse(_message.Message):
-    __slots__ = ("turn_id", "session", "speech_started", "speech_stopped", "committed", "started", "text", "audio", "done", "truncated", "cleared", "error")
+    __slots__ = ("turn_id", "session", "speech_started", "speech_stopped", "committed", "started", "text", "audio", "done", "truncated", "cleared", "error", "item_deleted", "item_truncated")
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SPEECH_STARTED_FIELD_NUMBER: _ClassVar[int]
@@ -443,6 +487,8 @@ class ConverseResponse(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ITEM_DELETED_FIELD_NUMBER: _ClassVar[int]
+    ITEM_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     turn_id: str
     session: SessionInfo
     speech_started: SpeechStarted
@@ -455,4 +501,6 @@ class ConverseResponse(_message.Message):
     truncated: HistoryTruncated
     cleared: InputCleared
     error: ConverseError
-    def __init__(self, turn_id: _Optional[str] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ..., speech_started: _Optional[_Union[SpeechStarted, _Mapping]] = ..., speech_stopped: _Optional[_Union[SpeechStopped, _Mapping]] = ..., committed: _Optional[_Union[TurnCommitted, _Mapping]] = ..., started: _Optional[_Union[TurnStarted, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., done: _Optional[_Union[TurnDone, _Mapping]] = ..., truncated: _Optional[_Union[HistoryTruncated, _Mapping]] = ..., cleared: _Optional[_Union[InputCleared, _Mapping]] = ..., error: _Optional[_Union[ConverseError, _Mapping]] = ...) -> None: ...
+    item_deleted: ItemDeleted
+    item_truncated: ItemTruncated
+    def __init__(self, turn_id: _Optional[str] = ..., session: _Optional[_Union[SessionInfo, _Mapping]] = ..., speech_started: _Optional[_Union[SpeechStarted, _Mapping]] = ..., speech_stopped: _Optional[_Union[SpeechStopped, _Mapping]] = ..., committed: _Optional[_Union[TurnCommitted, _Mapping]] = ..., started: _Optional[_Union[TurnStarted, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., done: _Optional[_Union[TurnDone, _Mapping]] = ..., truncated: _Optional[_Union[HistoryTruncated, _Mapping]] = ..., cleared: _Optional[_Union[InputCleared, _Mapping]] = ..., error: _Optional[_Union[ConverseError, _Mapping]] = ..., item_deleted: _Optional[_Union[ItemDeleted, _Mapping]] = ..., item_truncated: _Optional[_Union[ItemTruncated, _Mapping]] = ...) -> None: ...

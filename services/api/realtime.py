@@ -7,7 +7,6 @@ import binascii
 import copy
 import itertools
 import json
-import uuid
 
 import av
 import grpc
@@ -35,7 +34,7 @@ class Bridge:
         self.ids = itertools.count()
         self.session_id = ""
         self.sessions = 0  # session events seen: the gateway's first is before our settings
-        self.item = ""  # the user item being built
+        self.answers: dict[str, str] = {}  # turn id -> the answer's item id, while it is answered
         self.resampler = None  # 24 kHz -> 8 kHz for a G.711 answer, one per response
 
     def event_id(self) -> str:
@@ -47,10 +46,6 @@ class Bridge:
     async def error(self, e: ApiError, event_id: str | None = None) -> None:
         await self.send("error", error={"type": e.type, "code": e.code, "message": e.message, "param": e.param,
                                         "event_id": event_id})
-
-    def user_item(self) -> str:
-        self.item = self.item or f"item_{uuid.uuid4().hex[:16]}"
-        return self.item
 
     async def from_client(self) -> None:
         while True:
@@ -82,16 +77,35 @@ class Bridge:
         if kind == "input_audio_buffer.commit":
             return [omni_pb2.ConverseRequest(commit=omni_pb2.Commit(hold=True))]
         if kind == "input_audio_buffer.clear":
-            self.item = ""
             return [omni_pb2.ConverseRequest(clear=omni_pb2.Clear())]
         if kind == "conversation.item.create":
-            return [omni_pb2.ConverseRequest(item=self.message(event.get("item"))),
-                    omni_pb2.ConverseRequest(commit=omni_pb2.Commit(hold=True))]
+            item = event.get("item")
+            item_id = item.get("id") if isinstance(item, dict) else None
+            if item_id is not None and (not isinstance(item_id, str) or not item_id):
+                raise bad("item.id: a non-empty string", "item.id", "invalid_value")
+            return [omni_pb2.ConverseRequest(item=self.message(item)),
+                    omni_pb2.ConverseRequest(commit=omni_pb2.Commit(hold=True, item_id=item_id or ""))]
+        if kind == "conversation.item.delete":
+            return [omni_pb2.ConverseRequest(delete_item=omni_pb2.DeleteItem(item_id=self.item_id(event)))]
+        if kind == "conversation.item.truncate":
+            item_id, end = self.item_id(event), event.get("audio_end_ms")
+            if event.get("content_index", 0) != 0:
+                raise bad("content_index: an item has one content part, 0", "content_index", "invalid_value")
+            if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+                raise bad("audio_end_ms: milliseconds of the item's audio, an integer of 0 or more", "audio_end_ms", "invalid_value")
+            return [omni_pb2.ConverseRequest(truncate_item=omni_pb2.TruncateItem(item_id=item_id, audio_end_seconds=end / 1000))]
         if kind == "response.create":
             return [omni_pb2.ConverseRequest(commit=omni_pb2.Commit())]
         if kind == "response.cancel":
             return [omni_pb2.ConverseRequest(cancel=omni_pb2.Cancel())]
         raise bad(f"unknown or unsupported event type {kind!r}", "type", "invalid_event")
+
+    @staticmethod
+    def item_id(event: dict) -> str:
+        item_id = event.get("item_id")
+        if not isinstance(item_id, str) or not item_id:
+            raise bad("item_id: the id of an item in the conversation is required", "item_id", "invalid_value")
+        return item_id
 
     def audio_in(self, data, where: str) -> bytes:
         if not isinstance(data, str):
@@ -145,20 +159,22 @@ class Bridge:
 
     async def forward(self, r: omni_pb2.ConverseResponse) -> None:
         kind = r.WhichOneof("event")
-        rid, item = f"resp_{r.turn_id}", f"item_{r.turn_id}_out"
+        if kind == "started":
+            self.answers[r.turn_id] = r.started.item_id
+        rid, item = f"resp_{r.turn_id}", self.answers.get(r.turn_id, "")
         out = {"response_id": rid, "item_id": item, "output_index": 0, "content_index": 0}
         if kind == "session":
             self.session_id, self.sessions = r.session.session_id, self.sessions + 1
             if self.sessions > 1:
                 await self.send("session.created" if self.sessions == 2 else "session.updated", session=self.cfg.describe(self.session_id))
         elif kind == "speech_started":
-            await self.send("input_audio_buffer.speech_started", item_id=self.user_item(),
+            await self.send("input_audio_buffer.speech_started", item_id=r.speech_started.item_id,
                             audio_start_ms=round(r.speech_started.audio_start_seconds * 1000))
         elif kind == "speech_stopped":
-            await self.send("input_audio_buffer.speech_stopped", item_id=self.user_item(),
+            await self.send("input_audio_buffer.speech_stopped", item_id=r.speech_stopped.item_id,
                             audio_end_ms=round(r.speech_stopped.audio_end_seconds * 1000))
         elif kind == "committed":
-            item_id, self.item = self.user_item(), ""
+            item_id = r.committed.item_id
             await self.send("input_audio_buffer.committed", item_id=item_id, previous_item_id=None)
             await self.send("conversation.item.added", previous_item_id=None, item={
                 "id": item_id, "type": "message", "role": "user", "status": "completed", "content": []})
@@ -174,7 +190,13 @@ class Bridge:
             if r.audio.data:
                 await self.send("response.output_audio.delta", delta=base64.b64encode(self.audio_out(r.audio.data)).decode(), **out)
         elif kind == "done":
-            await self.done(r, rid, item)
+            await self.done(r, rid, self.answers.pop(r.turn_id, item))
+        elif kind == "item_deleted":
+            await self.send("conversation.item.deleted", item_id=r.item_deleted.item_id)
+        elif kind == "item_truncated":
+            t = r.item_truncated
+            await self.send("conversation.item.truncated", item_id=t.item_id, content_index=0,
+                            audio_end_ms=round(t.audio_end_seconds * 1000))
         elif kind == "cleared":
             await self.send("input_audio_buffer.cleared")
         elif kind == "error":

@@ -1,6 +1,7 @@
 """A Converse session's conversation: user messages and the answer to them, by exchange, each with the tokens it
-takes in a prompt (measured from a finished turn's usage, estimated for a stopped one); past a budget the oldest
-exchanges leave first."""
+takes in a prompt (measured from a turn's usage, estimated where its prompt was never laid out); past a budget the
+oldest exchanges leave first. Every user message and answer is an item with an id, which the client may delete, and
+an answer's transcript may be cut to the audio the user heard."""
 
 from dataclasses import dataclass, field
 
@@ -15,7 +16,12 @@ MESSAGE_TOKENS = 4  # a chat message's own tokens: <|im_start|>, its role, a new
 class Exchange:
     id: str
     users: list[omni_pb2.Message] = field(default_factory=list)
+    user_ids: list[str] = field(default_factory=list)  # the item id of each of `users`
+    answer_id: str = ""  # the answer's item id, from the moment it starts
     answer: str = ""
+    answer_tokens: list[int] = field(default_factory=list)  # the token ids of `answer`
+    audio_frames: int = 0  # of the answer's speech that reached the client
+    audio_samples: int = 0
     answered: bool = False
     tokens: int = 0
 
@@ -25,20 +31,31 @@ class History:
         self.session_id, self.budget, self.max_media = session_id, budget, max_media
         self.tokenizer, self.n_window = tokenizer, n_window
         self.exchanges: list[Exchange] = []
-        self.count = 0
+        self.count = self.items = 0
 
     @property
     def open(self) -> Exchange | None:
         """The exchange whose user messages await an answer."""
         return self.exchanges[-1] if self.exchanges and not self.exchanges[-1].answered else None
 
-    def add_user(self, parts: list[omni_pb2.Part]) -> Exchange:
+    def new_item_id(self) -> str:
+        while True:  # a client may have taken a name like ours
+            self.items += 1
+            item_id = f"item_{self.session_id[:8]}_{self.items}"
+            if self.find(item_id) is None:
+                return item_id
+
+    def find(self, item_id: str) -> Exchange | None:
+        return next((e for e in self.exchanges if item_id in e.user_ids or item_id == e.answer_id), None)
+
+    def add_user(self, parts: list[omni_pb2.Part], item_id: str) -> Exchange:
         ex = self.open
         if ex is None:
             self.count += 1
             ex = Exchange(f"{self.session_id[:8]}-{self.count}")
             self.exchanges.append(ex)
         ex.users.append(omni_pb2.Message(role=omni_pb2.ROLE_USER, parts=parts))
+        ex.user_ids.append(item_id)
         return ex
 
     def messages(self, instructions: str) -> list[omni_pb2.Message]:
@@ -49,14 +66,38 @@ class History:
                 msgs.append(omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.Part(text=ex.answer)]))
         return msgs
 
-    def answered(self, ex: Exchange, answer: str, answer_tokens: int, prompt_tokens: int | None) -> None:
-        """`prompt_tokens`: the finished turn's, which held every exchange kept and this one's user messages."""
-        ex.answer, ex.answered = answer, True
+    def answered(self, ex: Exchange, answer: str, token_ids: list[int], prompt_tokens: int | None, frames: int = 0,
+                 samples: int = 0) -> None:
+        """`prompt_tokens`: the turn's, which held every exchange kept and this one's user messages."""
+        ex.answer, ex.answer_tokens, ex.answered = answer, token_ids, True
+        ex.audio_frames, ex.audio_samples = frames, samples
         if prompt_tokens is None:
-            ex.tokens = self._estimate(ex, answer_tokens)
+            ex.tokens = self._estimate(ex, len(token_ids))
         else:
             earlier = sum(e.tokens for e in self.exchanges if e is not ex)
-            ex.tokens = max(0, prompt_tokens + answer_tokens + MESSAGE_TOKENS - earlier)
+            ex.tokens = max(0, prompt_tokens + len(token_ids) + MESSAGE_TOKENS - earlier)
+
+    def delete(self, item_id: str) -> None:
+        """Removes the item (a user message or an answer); an exchange left with neither leaves the conversation."""
+        ex = self.find(item_id)
+        if item_id == ex.answer_id:
+            ex.tokens = max(0, ex.tokens - len(ex.answer_tokens) - MESSAGE_TOKENS)
+            ex.answer_id, ex.answer, ex.answer_tokens = "", "", []
+        else:
+            i = ex.user_ids.index(item_id)
+            ex.tokens = max(0, ex.tokens - self._message_tokens(ex.users[i]))
+            del ex.users[i], ex.user_ids[i]
+        if not ex.users and not ex.answer_id:
+            self.exchanges.remove(ex)
+
+    def cut(self, ex: Exchange, share: float, spoken_tokens) -> str:
+        """The answer as far as the user heard it, `share` of its audio: its transcript now."""
+        frames = int(ex.audio_frames * share)  # every frame is as many samples of speech, but for a short tail
+        ids = ex.answer_tokens[:spoken_tokens(frames)]
+        ex.tokens = max(0, ex.tokens - len(ex.answer_tokens) + len(ids))
+        ex.answer = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        ex.answer_tokens, ex.audio_frames, ex.audio_samples = ids, frames, round(ex.audio_samples * share)
+        return ex.answer
 
     def forget(self, ex: Exchange) -> None:
         self.exchanges.remove(ex)
@@ -79,13 +120,14 @@ class History:
                                          turns_kept=len(self.exchanges)) if dropped else None
 
     def _estimate(self, ex: Exchange, answer_tokens: int) -> int:
-        """A stopped turn's tokens: its text and raw audio counted as the prompt would count them (other media not)."""
-        n = answer_tokens + MESSAGE_TOKENS
-        for m in ex.users:
-            n += MESSAGE_TOKENS
-            for p in m.parts:
-                if p.HasField("text"):
-                    n += len(self.tokenizer.encode(p.text, add_special_tokens=False))
-                elif p.HasField("audio") and p.audio.HasField("pcm"):
-                    n += audio_tokens(len(p.audio.pcm.data) // 2 // (RATE // 100), self.n_window) + 2  # and its start, end
+        return answer_tokens + MESSAGE_TOKENS + sum(self._message_tokens(m) for m in ex.users)
+
+    def _message_tokens(self, m: omni_pb2.Message) -> int:
+        """Its text and raw audio counted as the prompt would count them (other media not)."""
+        n = MESSAGE_TOKENS
+        for p in m.parts:
+            if p.HasField("text"):
+                n += len(self.tokenizer.encode(p.text, add_special_tokens=False))
+            elif p.HasField("audio") and p.audio.HasField("pcm"):
+                n += audio_tokens(len(p.audio.pcm.data) // 2 // (RATE // 100), self.n_window) + 2  # and its start, end
         return n

@@ -88,6 +88,7 @@ class Progress:
     """What one request has produced so far, for its final Usage."""
     t0: float
     timeout: float | None = None  # the client's deadline, from t0
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     audio_samples: int = 0
     audio_frames: int = 0
@@ -103,6 +104,16 @@ class Progress:
     def add_timings(self, items) -> None:
         for t in items:
             self.timings[t.stage] = self.timings.get(t.stage, 0.0) + t.seconds
+
+    def usage(self) -> omni_pb2.Usage:
+        """What the request has used so far: all of it once finished, up to the cut if it was stopped."""
+        return omni_pb2.Usage(
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            audio_seconds=self.audio_samples / SAMPLE_RATE, audio_frames=self.audio_frames,
+            time_to_first_token_seconds=self.first_token, time_to_first_audio_seconds=self.first_audio,
+            timings=[omni_pb2.StageTiming(stage=k, seconds=v) for k, v in self.timings.items()]
+            + [omni_pb2.StageTiming(stage="total", seconds=time.perf_counter() - self.t0)],
+        )
 
 
 class Gateway:
@@ -145,8 +156,9 @@ class Gateway:
             ),
         )
 
-    async def generate(self, req: omni_pb2.GenerateRequest, timeout: float | None):
-        progress = Progress(time.perf_counter(), timeout)
+    async def generate(self, req: omni_pb2.GenerateRequest, timeout: float | None, progress: Progress | None = None):
+        """`progress`, when given, is the caller's view of what the request used, read when it stops the request."""
+        progress = progress or Progress(time.perf_counter(), timeout)
         self.thinker_gate.refuse_early(timeout)
         r = resolve(req, self.spec, self.cfg.limits, self.talkers is not None, self.prompts.check_text)
         async with self.thinker_gate.enter(progress.left()):
@@ -164,6 +176,7 @@ class Gateway:
         thinker_ep = self.thinkers.pick("audio" if r.want_audio else "text")
         talker_ep = self.talkers.pick() if r.want_audio else None
         spans, prompt = await self._prompt(rid, r, thinker_ep, progress)
+        progress.prompt_tokens = len(prompt.ids)
         treq = thinker_pb2.ThinkerRequest(
             request_id=rid, prompt_ids=prompt.ids, positions=prompt.positions.reshape(-1).tolist(), rope_delta=prompt.rope_delta,
             spans=spans, sampling=sampling_to_proto(r.thinker), return_states=r.want_audio, placement=_placement(talker_ep, self.cfg.transport.shm),
@@ -195,14 +208,8 @@ class Gateway:
         finally:
             for t in tasks:
                 t.cancel()
-        usage = omni_pb2.Usage(
-            prompt_tokens=len(prompt.ids), completion_tokens=progress.completion_tokens,
-            audio_seconds=progress.audio_samples / SAMPLE_RATE, audio_frames=progress.audio_frames,
-            time_to_first_token_seconds=progress.first_token, time_to_first_audio_seconds=progress.first_audio,
-            timings=[omni_pb2.StageTiming(stage=k, seconds=v) for k, v in progress.timings.items()]
-            + [omni_pb2.StageTiming(stage="total", seconds=time.perf_counter() - progress.t0)],
-        )
-        yield omni_pb2.GenerateResponse(request_id=rid, finished=omni_pb2.Finished(reason=progress.reason, usage=usage))
+        finished = omni_pb2.Finished(reason=progress.reason, usage=progress.usage())
+        yield omni_pb2.GenerateResponse(request_id=rid, finished=finished)
 
     def _build_prompt(self, r: Resolved, media: list[MediaRef]):
         prompt = self.prompts.build(r.messages, media)

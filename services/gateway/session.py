@@ -1,9 +1,11 @@
 """One Converse session: the client's events read as they come, each committed user turn answered by the gateway's
 Generate over the conversation so far, answers stopped by a cancel or by the user speaking over them, and the
-conversation kept within a token budget, oldest turns dropped first."""
+conversation kept within a token budget, oldest turns dropped first; the client may delete its items and cut an
+answer to what was heard."""
 
 import asyncio
 import logging
+import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -12,10 +14,10 @@ import grpc
 
 from omni.v1 import omni_pb2
 from services.gateway.history import Exchange, History
-from services.gateway.orchestrator import SAMPLE_RATE, Outbox
+from services.gateway.orchestrator import SAMPLE_RATE, Outbox, Progress
 from services.gateway.validate import resolve
 from services.gateway.vad import AGGRESSIVENESS, FRAME_MS, RATE, SILENCE_MS, SPEECH_MS, InputAudio, TurnDetector
-from services.runtime.errors import FailedPrecondition, InvalidArgument, OmniError, ResourceExhausted
+from services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, OmniError, ResourceExhausted
 from services.runtime.metrics import BadMessage
 
 DEFAULT_INPUT_RATE = 24000
@@ -31,6 +33,7 @@ class Turn:
     want_text: bool
     want_audio: bool
     task: asyncio.Task | None = None
+    progress: Progress = field(default_factory=lambda: Progress(time.perf_counter()))  # what a stopped turn used
     token_ids: list[int] = field(default_factory=list)
     frames_sent: int = 0
     samples_sent: int = 0
@@ -47,6 +50,7 @@ class Session:
         self.input = InputAudio(omni_pb2.PCM_ENCODING_S16LE, DEFAULT_INPUT_RATE)
         self.detector: TurnDetector | None = None
         self.pending: list[omni_pb2.Part] = []
+        self.next_item = ""  # the id the speech being heard will take when committed
         self.buffer = bytearray()  # 16 kHz PCM16 of the user turn being built
         self.buffer_start = 0.0  # its place in the session's input audio, in seconds
         self.heard = 0.0  # seconds of input audio so far
@@ -102,7 +106,8 @@ class Session:
                 kind = req.WhichOneof("event")
                 try:
                     if kind is None:
-                        raise InvalidArgument("the event is empty: set one of settings, audio, item, commit, cancel, clear")
+                        raise InvalidArgument("the event is empty: set one of settings, audio, item, commit, cancel, "
+                                              "clear, delete_item, truncate_item")
                     await getattr(self, f"_on_{kind}")(getattr(req, kind))
                 except OmniError as e:
                     self._error(e, kind)
@@ -172,12 +177,13 @@ class Session:
             return
         for what, at in self.detector.push(pcm):
             if what == "started":
-                self._emit(speech_started=omni_pb2.SpeechStarted(audio_start_seconds=at))
+                self.next_item = self.next_item or self.history.new_item_id()
+                self._emit(speech_started=omni_pb2.SpeechStarted(audio_start_seconds=at, item_id=self.next_item))
                 if self.turn is not None:
                     await self._stop(omni_pb2.TURN_STATUS_INTERRUPTED)
                 self._trim(at - PREROLL_S)
             else:
-                self._emit(speech_stopped=omni_pb2.SpeechStopped(audio_end_seconds=at))
+                self._emit(speech_stopped=omni_pb2.SpeechStopped(audio_end_seconds=at, item_id=self.next_item))
                 await self._on_commit(omni_pb2.Commit())
         if not self.detector.speaking:  # only what could become the start of speech is kept
             self._trim(self.heard - PREROLL_S - self.detector.start_window.maxlen * FRAME_MS / 1000)
@@ -212,12 +218,16 @@ class Session:
         open_ = self.history.open
         if not parts and (c.hold or open_ is None):
             raise InvalidArgument("commit: nothing to commit, no input audio or items since the last commit")
+        if parts and c.item_id and self.history.find(c.item_id) is not None:
+            raise InvalidArgument(f"commit: item_id {c.item_id!r} is already in the conversation")
         if parts:
-            open_ = self.history.add_user(parts)
+            item_id = c.item_id or self.next_item or self.history.new_item_id()
+            open_ = self.history.add_user(parts, item_id)
             self.pending.clear()
+            self.next_item = ""
             self.buffer_start += seconds
             self.buffer.clear()
-            self._emit(open_.id, committed=omni_pb2.TurnCommitted(audio_seconds=seconds, parts=len(parts)))
+            self._emit(open_.id, committed=omni_pb2.TurnCommitted(audio_seconds=seconds, parts=len(parts), item_id=item_id))
         if not c.hold:
             self._answer(open_)
 
@@ -228,6 +238,7 @@ class Session:
 
     async def _on_clear(self, c: omni_pb2.Clear) -> None:
         self.pending.clear()
+        self.next_item = ""
         self.buffer_start += len(self.buffer) / 2 / RATE
         self.buffer.clear()
         if c.history:
@@ -236,6 +247,32 @@ class Session:
             self.history.clear()
         self._emit(cleared=omni_pb2.InputCleared(history=c.history))
 
+    def _item(self, item_id: str, event: str) -> Exchange:
+        """The exchange holding `item_id`, which no answer in progress may depend on."""
+        ex = self.history.find(item_id) if item_id else None
+        if ex is None:
+            raise NotFound(f"{event}: no item {item_id!r} in the conversation")
+        if self.turn is not None and self.turn.exchange is ex:
+            raise FailedPrecondition(f"{event}: item {item_id!r} belongs to the answer in progress; cancel it first")
+        return ex
+
+    async def _on_delete_item(self, d: omni_pb2.DeleteItem) -> None:
+        self._item(d.item_id, "delete_item")
+        self.history.delete(d.item_id)
+        self._emit(item_deleted=omni_pb2.ItemDeleted(item_id=d.item_id))
+
+    async def _on_truncate_item(self, t: omni_pb2.TruncateItem) -> None:
+        ex = self._item(t.item_id, "truncate_item")
+        if t.item_id != ex.answer_id:
+            raise InvalidArgument(f"truncate_item: {t.item_id!r} is a user message; only an answer's audio is cut")
+        duration = ex.audio_samples / SAMPLE_RATE
+        if not ex.audio_samples or not 0.0 <= t.audio_end_seconds <= duration + 1e-3:  # a ms of the client's rounding
+            raise InvalidArgument(f"truncate_item: audio_end_seconds {t.audio_end_seconds} is outside the answer's "
+                                  f"{duration:.3f} s of audio")
+        transcript = self.history.cut(ex, min(1.0, t.audio_end_seconds / duration), self.gw.spec.spoken_tokens)
+        self._emit(item_truncated=omni_pb2.ItemTruncated(item_id=t.item_id, audio_end_seconds=t.audio_end_seconds,
+                                                         transcript=transcript))
+
     def _answer(self, ex: Exchange) -> None:
         mods = self.settings.output_modalities
         turn = Turn(ex, want_text=not mods or omni_pb2.MODALITY_TEXT in mods, want_audio=omni_pb2.MODALITY_AUDIO in mods)
@@ -243,13 +280,14 @@ class Session:
         req = self._request(self.settings, self.history.messages(self.settings.instructions))
         req.request_id = ex.id
         self.turn = turn
-        self._emit(ex.id, started=omni_pb2.TurnStarted())
+        ex.answer_id = self.history.new_item_id()
+        self._emit(ex.id, started=omni_pb2.TurnStarted(item_id=ex.answer_id))
         turn.task = asyncio.create_task(self._run_turn(turn, req))
 
     async def _run_turn(self, turn: Turn, req: omni_pb2.GenerateRequest) -> None:
         rid = turn.exchange.id
         try:
-            async with aclosing(self.gw.generate(req, None)) as responses:
+            async with aclosing(self.gw.generate(req, None, turn.progress)) as responses:
                 async for r in responses:
                     kind = r.WhichOneof("event")
                     if kind == "text":
@@ -287,13 +325,14 @@ class Session:
         transcript = self.gw.prompts.tokenizer.decode(ids, skip_special_tokens=True)
         if turn.finished is not None:
             usage = turn.finished.usage
-        else:
-            usage = omni_pb2.Usage(completion_tokens=len(turn.token_ids), audio_frames=turn.frames_sent,
-                                   audio_seconds=turn.samples_sent / SAMPLE_RATE)
+        else:  # the prompt it was given, the tokens made before the cut, the audio that reached the client
+            usage = turn.progress.usage()
+            usage.audio_frames, usage.audio_seconds = turn.frames_sent, turn.samples_sent / SAMPLE_RATE
         if status == omni_pb2.TURN_STATUS_FAILED:
             self.history.forget(ex)
-        else:
-            self.history.answered(ex, transcript.strip(), len(ids), usage.prompt_tokens if turn.finished is not None else None)
+        else:  # a turn stopped before its prompt was laid out has its tokens estimated
+            self.history.answered(ex, transcript.strip(), ids, usage.prompt_tokens or None, turn.frames_sent,
+                                  turn.samples_sent)
         reason = turn.finished.reason if turn.finished is not None else omni_pb2.FINISH_REASON_UNSPECIFIED
         self._emit(ex.id, done=omni_pb2.TurnDone(status=status, reason=reason, usage=usage, transcript=ex.answer))
         self._truncate()

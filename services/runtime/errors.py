@@ -19,6 +19,10 @@ class FailedPrecondition(OmniError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NotFound(OmniError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class Unavailable(OmniError):
     code = grpc.StatusCode.UNAVAILABLE
 

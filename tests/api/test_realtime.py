@@ -1,6 +1,7 @@
 """/v1/realtime through OpenAI's own realtime client, in front of the CPU mesh: a conversation of three turns with
 PCM16 audio in and out, turns committed by the server's turn detection, G.711 both ways, a cancel that frees every
-stage, and bad events answered with error events while the session goes on."""
+stage and reports what the cut turn used, items deleted and truncated, eight sessions at once, and bad events
+answered with error events while the session goes on."""
 
 import asyncio
 import base64
@@ -56,7 +57,24 @@ def answer(events) -> dict:
     kinds = [e.type for e in events]
     audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
     transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
-    return {"kinds": kinds, "audio": audio, "transcript": transcript, "done": events[-1].response}
+    return {"kinds": kinds, "audio": audio, "transcript": transcript, "done": events[-1].response, "events": events}
+
+
+async def input_tokens_of(door, clip: bytes, vad: bool) -> int:
+    """The input tokens of a completed first response to `clip` in a fresh session, committed by the server's turn
+    detection (as the same audio would be anywhere) or by the client."""
+    async with connect(door) as conn:
+        await until(conn, "session.created")
+        vad_ = {} if vad else {"audio": {"input": {"turn_detection": None}}}
+        await conn.session.update(session={"type": "realtime", **vad_, **SHORT})
+        await until(conn, "session.updated")
+        await append(conn, clip)
+        if not vad:
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+        done = (await until(conn, "response.done"))[-1].response
+    assert done.status == "completed", done
+    return done.usage.input_tokens
 
 
 def test_three_turns_through_openai_realtime_client(door):
@@ -139,6 +157,9 @@ def test_response_cancel_frees_every_stage(door, native_mesh):
     (seconds, held), done = asyncio.run(talk())
     assert seconds < 2 * FREED_S and all(v == (0, 0) for v in held.values()), (seconds, held)
     assert done.response.status == "cancelled" and done.response.status_details.reason == "client_cancelled"
+    u = done.response.usage  # what the cut turn used: its whole prompt, and the tokens made before the cut
+    assert u.input_tokens == asyncio.run(input_tokens_of(door, speech_clip(0.5), vad=False))
+    assert 0 < u.output_tokens < 250 and u.total_tokens == u.input_tokens + u.output_tokens
 
 
 def test_bad_events_get_error_events_and_the_session_goes_on(door):
@@ -175,6 +196,59 @@ def test_bad_events_get_error_events_and_the_session_goes_on(door):
     assert done.response.status == "completed" and done.response.usage.output_tokens > 0
 
 
+def test_items_deleted_and_truncated(door):
+    """conversation.item.delete and .truncate over the session's conversation: with the first exchange's user item
+    deleted and its answer cut to no audio, the same question again is answered from the same prompt; unknown ids
+    get errors."""
+    hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
+
+    async def talk():
+        async with connect(door) as conn:
+            await until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}, **SHORT})
+            await until(conn, "session.updated")
+            await conn.conversation.item.create(item={"id": "hello_1", **hello})
+            added = (await until(conn, "conversation.item.added"))[-1]
+            await conn.response.create()
+            first = answer(await until(conn, "response.done"))
+            answer_id = first["done"].output[0].id
+            errors, events = {}, {}
+            for name, event in {
+                "delete unknown": {"type": "conversation.item.delete", "item_id": "nope"},
+                "truncate unknown": {"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 0},
+                "truncate a user item": {"type": "conversation.item.truncate", "item_id": "hello_1", "content_index": 0, "audio_end_ms": 0},
+                "truncate past the audio": {"type": "conversation.item.truncate", "item_id": answer_id, "content_index": 0, "audio_end_ms": 60_000},
+                "no item id": {"type": "conversation.item.delete"},
+            }.items():
+                await conn.send(event)
+                errors[name] = (await until(conn, "error"))[-1].error
+            half_ms = len(first["audio"]) // 2 * 1000 // 24000 // 2
+            await conn.conversation.item.truncate(item_id=answer_id, content_index=0, audio_end_ms=half_ms)
+            events["half"] = (await until(conn, "conversation.item.truncated"))[-1]
+            await conn.conversation.item.truncate(item_id=answer_id, content_index=0, audio_end_ms=0)
+            events["none"] = (await until(conn, "conversation.item.truncated"))[-1]
+            await conn.conversation.item.delete(item_id="hello_1")
+            events["deleted"] = (await until(conn, "conversation.item.deleted"))[-1]
+            await conn.conversation.item.create(item={"id": "hello_2", **hello})
+            await until(conn, "conversation.item.added")
+            await conn.response.create()
+            second = answer(await until(conn, "response.done"))
+            return added, first, errors, events, second
+
+    added, first, errors, events, second = asyncio.run(talk())
+    assert added.item.id == "hello_1" and first["done"].status == "completed" and first["audio"]
+    expect = {"delete unknown": "'nope'", "truncate unknown": "'nope'", "truncate a user item": "user message",
+              "truncate past the audio": "outside", "no item id": "item_id"}
+    for name, words in expect.items():
+        assert words in errors[name].message, (name, errors[name])
+    assert errors["delete unknown"].code == "not_found"
+    assert events["half"].item_id == first["done"].output[0].id and events["half"].audio_end_ms > 0
+    assert events["none"].audio_end_ms == 0 and events["deleted"].item_id == "hello_1"
+    # nothing is left of the first exchange: the second's prompt is the first's
+    assert second["done"].status == "completed"
+    assert second["done"].usage.input_tokens == first["done"].usage.input_tokens
+
+
 def test_a_websocket_that_closes_frees_every_stage(door, native_mesh):
     from client_util import metric
 
@@ -203,6 +277,49 @@ def test_a_websocket_that_closes_frees_every_stage(door, native_mesh):
     assert metric(port, "omni_inflight_requests", method="Converse") == 0
 
 
+def test_eight_sessions_at_once(door, native_mesh):
+    """Eight WebSockets side by side, each a conversation of two spoken turns (half committed by the client, half by
+    the server's turn detection): every answer completes with speech, each session's events are its own, and once
+    they close no stage holds anything."""
+    from client_util import metric
+    from conftest import wait_until
+
+    async def session(i: int) -> tuple[str, list]:
+        vad = i % 2 == 1
+        async with connect(door) as conn:
+            sid = (await until(conn, "session.created"))[-1].session.id
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"], **SHORT,
+                                               **({} if vad else {"audio": {"input": {"turn_detection": None}}})})
+            await until(conn, "session.updated")
+            turns = []
+            for turn in range(2):
+                await append(conn, speech_clip(0.5, seed=10 * i + turn, silence_s=0.8 if vad else 0.0))
+                if not vad:
+                    await conn.input_audio_buffer.commit()
+                    await conn.response.create()
+                turns.append(answer(await until(conn, "response.done", timeout=180)))
+            return sid, turns
+
+    async def all_of_them():
+        load = Load(native_mesh)
+        sessions = await asyncio.gather(*(session(i) for i in range(8)))
+        freed = await load.freed_within(time.perf_counter())
+        await load.close()
+        return sessions, freed
+
+    sessions, (_, held) = asyncio.run(all_of_them())
+    assert len({sid for sid, _ in sessions}) == 8
+    for sid, turns in sessions:
+        for a in turns:
+            done = a["done"]
+            assert done.status == "completed" and len(a["audio"]) > 0 and done.conversation_id == sid, a["kinds"]
+            assert a["transcript"] and all(e.response_id == done.id for e in a["events"] if hasattr(e, "response_id"))
+        assert turns[0]["done"].usage.input_tokens < turns[1]["done"].usage.input_tokens  # the second held the first
+    assert all(v == (0, 0) for v in held.values()), held
+    port = native_mesh.cfg.gateway.replicas[0].metrics_port
+    assert wait_until(lambda: metric(port, "omni_inflight_requests", method="Converse") == 0, 5.0)
+
+
 def test_speaking_over_an_answer_stops_it_everywhere(door, native_mesh):
     async def talk():
         load = Load(native_mesh)
@@ -228,5 +345,7 @@ def test_speaking_over_an_answer_stops_it_everywhere(door, native_mesh):
     assert "input_audio_buffer.speech_started" in kinds
     done = events[-1].response
     assert done.status == "cancelled" and done.status_details.reason == "turn_detected"
+    assert done.usage.input_tokens == asyncio.run(input_tokens_of(door, speech_clip(0.6, 0, silence_s=0.8), vad=True))
+    assert 0 < done.usage.output_tokens < 250
     # nothing more of the answer after the user spoke
     assert "response.output_audio.delta" not in kinds[kinds.index("input_audio_buffer.speech_started"):]

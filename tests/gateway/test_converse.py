@@ -76,6 +76,13 @@ def tokenizer(native_mesh):
     return AutoTokenizer.from_pretrained(native_mesh.cfg.model.dir)
 
 
+def prompt_tokens(mesh, messages: list[omni_pb2.Message]) -> int:
+    """The prompt tokens Generate reports for `messages`."""
+    req = omni_pb2.GenerateRequest(messages=messages)
+    req.sampling.max_tokens = 1
+    return generate(mesh.gateway_address, req).finished.usage.prompt_tokens
+
+
 def spoken(tokenizer, answer) -> str:
     return tokenizer.decode(answer.token_ids[:answer.frames], skip_special_tokens=True).strip()
 
@@ -113,8 +120,10 @@ def test_turn_detection_commits_on_silence(native_mesh):
         at = 0.5 + 2.3 * i  # where this turn's speech starts in the session's audio
         assert at - 0.1 <= started <= at + 0.2 and at + 1.0 < stopped <= at + 1.0 + 0.8, (started, stopped)
         assert 1.0 < a.events[2].committed.audio_seconds < 1.0 + 0.8 + 0.5
+        assert a.events[0].speech_started.item_id == a.events[1].speech_stopped.item_id == a.events[2].committed.item_id
         assert a.done.status == omni_pb2.TURN_STATUS_COMPLETED and a.audio and a.token_ids
     assert answers[1].done.usage.prompt_tokens > answers[0].done.usage.prompt_tokens
+    assert answers[0].events[2].committed.item_id != answers[1].events[2].committed.item_id
     assert [e.WhichOneof("event") for e in quiet] == ["cleared"]
 
 
@@ -132,6 +141,9 @@ def test_cancel_stops_every_stage_at_once_and_keeps_what_was_said(native_mesh, t
             await c.audio(clips[0], rate)
             await c.send(commit=omni_pb2.Commit())
             got = await hold_busy(c, load)
+            answer_item = next(e.started.item_id for e in got if e.HasField("started"))
+            await c.send(delete_item=omni_pb2.DeleteItem(item_id=answer_item))
+            got += await c.until("error")
             t0 = time.perf_counter()
             await c.send(cancel=omni_pb2.Cancel())
             freed = await load.freed_within(t0)
@@ -148,9 +160,12 @@ def test_cancel_stops_every_stage_at_once_and_keeps_what_was_said(native_mesh, t
     (seconds, held), first, second = run(converse())
     assert seconds < FREED_S and all(v == (0, 0) for v in held.values()), (seconds, held)
     assert first.done.status == omni_pb2.TURN_STATUS_CANCELLED and first.frames > 0
+    assert first.errors[0].code == "FAILED_PRECONDITION" and "answer in progress" in first.errors[0].message
     assert len(first.token_ids) > first.frames  # the thinker was ahead of the speech: its text past it is not kept
     assert first.done.transcript == spoken(tokenizer, first)
-    assert first.done.usage.audio_frames == first.frames and first.done.usage.prompt_tokens == 0
+    u = first.done.usage
+    assert u.audio_frames == first.frames and len(first.token_ids) <= u.completion_tokens < 250
+    assert u.prompt_tokens == prompt_tokens(native_mesh, [user(pcm_part(clips[0], rate))])
     assert second.done.status == omni_pb2.TURN_STATUS_COMPLETED
     history = [user(pcm_part(clips[0], rate)),
                omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.Part(text=first.done.transcript)]),
@@ -188,6 +203,12 @@ def test_speaking_over_an_answer_stops_it(native_mesh, tokenizer):
     assert seconds < FREED_S and all(v == (0, 0) for v in held.values()), (seconds, held)
     assert first.done.status == omni_pb2.TURN_STATUS_INTERRUPTED and "speech_started" in first.kinds
     assert first.done.transcript == spoken(tokenizer, first)
+    # the prompt held the committed audio (16 kHz in the session), whatever its samples: Generate counts the same
+    committed = next(e.committed for e in first.events if e.HasField("committed"))
+    silent = np.zeros(round(committed.audio_seconds * 16000), "<i2").tobytes()
+    u = first.done.usage
+    assert u.prompt_tokens == prompt_tokens(native_mesh, [user(pcm_part(silent, 16000))])
+    assert len(first.token_ids) <= u.completion_tokens < 250 and u.audio_frames == first.frames
     kinds = first.kinds[len(first.kinds) - 1 - first.kinds[::-1].index("speech_started"):]
     assert kinds == ["speech_started", "done"], kinds  # nothing more of the answer after the user spoke
     assert second.kinds[:3] == ["speech_stopped", "committed", "started"] and second.done.status == omni_pb2.TURN_STATUS_COMPLETED
@@ -215,6 +236,65 @@ def test_a_client_that_leaves_frees_everything(native_mesh):
     assert metric(port, "omni_inflight_requests", method="Converse") == 0
 
 
+def test_items_deleted_and_an_answer_cut_leave_the_conversation_as_told(native_mesh, tokenizer):
+    """Each user message and answer is an item, named by the client or by the session: deleting some and cutting an
+    answer to the audio heard leave the next prompt the conversation so changed, as Generate over it shows; unknown
+    ids and bad cuts are errors that change nothing."""
+    rate = 16000
+    s = settings(long=True, tokens=12, frames=12, rate=rate, return_codec_codes=True)
+    clips = [speech_clip(0.5, seed=20 + i, rate=rate) for i in range(3)]
+
+    async def converse():
+        async with Conversation(native_mesh.gateway_address) as c:
+            await c.start(s)
+            answers, errors, events = [], {}, {}
+            for i, clip in enumerate(clips[:2]):
+                await c.audio(clip, rate)
+                await c.send(commit=omni_pb2.Commit(item_id="mine" if i == 0 else ""))
+                answers.append(await c.turn())
+            ids = [(next(e.committed.item_id for e in a.events if e.HasField("committed")),
+                    next(e.started.item_id for e in a.events if e.HasField("started"))) for a in answers]
+            half = answers[0].samples / 24000 / 2
+
+            async def send(name, expect, **event):
+                await c.send(**event)
+                got = (await c.until(expect))[-1]
+                (errors if expect == "error" else events)[name] = getattr(got, expect)
+
+            await send("unknown", "error", delete_item=omni_pb2.DeleteItem(item_id="nope"))
+            await send("no id", "error", truncate_item=omni_pb2.TruncateItem())
+            await send("cut a user item", "error", truncate_item=omni_pb2.TruncateItem(item_id="mine", audio_end_seconds=0.1))
+            await send("cut past the audio", "error", truncate_item=omni_pb2.TruncateItem(item_id=ids[0][1], audio_end_seconds=3 * half))
+            await c.audio(clips[2], rate)
+            await send("taken id", "error", commit=omni_pb2.Commit(item_id=ids[1][1]))
+            await send("delete", "item_deleted", delete_item=omni_pb2.DeleteItem(item_id="mine"))
+            await send("delete again", "error", delete_item=omni_pb2.DeleteItem(item_id="mine"))
+            await send("delete answer", "item_deleted", delete_item=omni_pb2.DeleteItem(item_id=ids[1][1]))
+            await send("cut", "item_truncated", truncate_item=omni_pb2.TruncateItem(item_id=ids[0][1], audio_end_seconds=half))
+            await c.send(commit=omni_pb2.Commit())  # the audio held since the refused commit
+            return ids, answers, errors, events, await c.turn()
+
+    ids, answers, errors, events, last = run(converse())
+    assert ids[0][0] == "mine" and len({x for pair in ids for x in pair}) == 4, ids
+    assert all(a.done.status == omni_pb2.TURN_STATUS_COMPLETED and a.frames == 12 for a in answers)
+    expect = {"unknown": ("NOT_FOUND", "'nope'"), "no id": ("NOT_FOUND", "no item"),
+              "cut a user item": ("INVALID_ARGUMENT", "user message"), "cut past the audio": ("INVALID_ARGUMENT", "outside"),
+              "taken id": ("INVALID_ARGUMENT", "already in the conversation"), "delete again": ("NOT_FOUND", "'mine'")}
+    for name, (code, words) in expect.items():
+        assert errors[name].code == code and words in errors[name].message, (name, errors[name])
+    assert events["delete"].item_id == "mine" and events["delete answer"].item_id == ids[1][1]
+    cut = events["cut"]
+    heard = tokenizer.decode(answers[0].token_ids[:6], skip_special_tokens=True).strip()  # 6 of its 12 frames
+    assert cut.item_id == ids[0][1] and cut.transcript == heard and heard != answers[0].done.transcript
+    history = ([omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, parts=[omni_pb2.Part(text=heard)])] if heard else []) \
+        + [user(pcm_part(clips[1], rate)), user(pcm_part(clips[2], rate))]
+    ref = generate(native_mesh.gateway_address, omni_pb2.GenerateRequest(
+        messages=history, output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO], sampling=s.sampling,
+        talker_sampling=s.talker_sampling))
+    assert last.done.status == omni_pb2.TURN_STATUS_COMPLETED and last.token_ids == ref.token_ids
+    assert last.done.usage.prompt_tokens == ref.finished.usage.prompt_tokens
+
+
 def test_eight_sessions_at_once(native_mesh):
     async def session(i):
         async with Conversation(native_mesh.gateway_address) as c:
@@ -238,6 +318,50 @@ def test_eight_sessions_at_once(native_mesh):
         assert all(a.done.status == omni_pb2.TURN_STATUS_COMPLETED and a.audio and not a.errors for a in answers)
         assert answers[0].done.usage.prompt_tokens < answers[1].done.usage.prompt_tokens
     assert all(v == (0, 0) for v in held.values()), held
+
+
+def test_the_command_line_client_holds_a_conversation(native_mesh, tmp_path):
+    """`services.client --converse` speaks each file as a turn of one session and writes each answer's speech: the
+    first answer is Generate's over that audio, sample for sample, and the second turn's prompt holds the first."""
+    import re
+    import subprocess
+    import sys
+    import wave
+
+    from services.runtime.config import REPO_ROOT
+
+    rate = 16000  # the audio tower's: the file's samples reach the prompt as they are
+    clips = [speech_clip(0.5, seed=30 + i, rate=rate) for i in range(2)]
+    files = []
+    for i, clip in enumerate(clips):
+        files.append(tmp_path / f"turn{i}.wav")
+        with wave.open(str(files[-1]), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(rate)
+            w.writeframes(clip)
+    cmd = [sys.executable, "-m", "services.client", "--address", native_mesh.gateway_address, "--speech",
+           str(tmp_path / "answer.wav"), "--max-tokens", "6", "--max-frames", "10", "--temperature", "0"]
+    for f in files:
+        cmd += ["--converse", str(f)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    summaries = [line for line in done.stderr.splitlines() if line.startswith("[TURN_STATUS_COMPLETED]")]
+    prompts = [int(re.match(r"\[\w+\] (\d+) prompt", line).group(1)) for line in summaries]
+    assert len(prompts) == 2 and prompts[0] < prompts[1], done.stderr
+    answers = []
+    for i in (1, 2):
+        with wave.open(str(tmp_path / f"answer-{i}.wav")) as w:
+            assert (w.getnchannels(), w.getframerate()) == (1, 24000)
+            answers.append(w.readframes(w.getnframes()))
+    assert all(answers)
+    s = settings(rate=rate)
+    ref = generate(native_mesh.gateway_address, omni_pb2.GenerateRequest(
+        messages=[user(pcm_part(clips[0], rate))], output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO],
+        sampling=s.sampling, talker_sampling=s.talker_sampling))
+    assert prompts[0] == ref.finished.usage.prompt_tokens
+    assert np.array_equal(np.frombuffer(answers[0], "<i2"), np.round(np.concatenate(ref.pcm) * 32767).astype("<i2"))
+    assert done.stdout.splitlines()[0] == ref.text
 
 
 def test_bad_events_get_errors_and_the_session_goes_on(native_mesh):

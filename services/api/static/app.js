@@ -5,9 +5,9 @@
 const RATE = 24000;
 const $ = (id) => document.getElementById(id);
 // What the page saw, for whoever drives it (the tests read it)
-const state = window.omni = { events: [], audioBytes: 0, done: [], connected: false };
+const state = window.omni = { events: [], audioBytes: 0, done: [], interrupted: 0, connected: false };
 
-let ws = null, ctx = null, mic = null, answering = null, playHead = 0, sources = [];
+let ws = null, ctx = null, mic = null, answering = null, answerBytes = 0, playHead = 0, sources = [];
 
 function say(who, text, cls) {
   const li = document.createElement("li");
@@ -45,6 +45,7 @@ function audioContext() {
 function play(base64) {
   const bytes = Uint8Array.from(atob(base64), (c) => c.charCodeAt(0));
   state.audioBytes += bytes.length;
+  answerBytes += bytes.length;
   const samples = new Int16Array(bytes.buffer, 0, bytes.length >> 1);
   const c = audioContext(), buf = c.createBuffer(1, samples.length, RATE);
   const ch = buf.getChannelData(0);
@@ -91,6 +92,7 @@ function handle(e) {
       break;
     case "response.created":
       answering = say("assistant", "");
+      answerBytes = 0;
       $("stop").disabled = false;
       break;
     case "response.output_audio_transcript.delta":
@@ -104,7 +106,10 @@ function handle(e) {
       const content = (e.response.output[0] || { content: [{}] }).content[0] || {};
       if (answering) answering.textContent = content.transcript ?? content.text ?? answering.textContent;
       if (e.response.status !== "completed" && answering) answering.textContent += " (stopped)";
-      state.done.push({ status: e.response.status, transcript: answering ? answering.textContent : "", usage: e.response.usage });
+      const reason = (e.response.status_details || {}).reason || null;
+      if (reason === "turn_detected") state.interrupted += 1;  // the user spoke over it
+      state.done.push({ status: e.response.status, reason, audioBytes: answerBytes,
+        transcript: answering ? answering.textContent : "", usage: e.response.usage });
       answering = null;
       $("stop").disabled = true;
       $("status").textContent = `answered (${e.response.usage.input_tokens} tokens in, ${e.response.usage.output_tokens} out)`;
