@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omni.v1 import omni_pb2
 from services.model.media_tokens import MediaSizes
 from services.model.spec import audio_tokens
 from services.preprocess.audio_in import decode_file, resample, too_long
@@ -22,6 +23,8 @@ from services.runtime.config import Limits
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
 IMAGE_FORMATS = {"PNG", "JPEG", "WEBP"}
+PCM_ENCODINGS = {omni_pb2.PCM_ENCODING_S16LE: "s16le", omni_pb2.PCM_ENCODING_F32LE: "f32le"}
+PCM_WIDTHS = {"s16le": 2, "f32le": 4}
 SAMPLE_RATE = 16000
 
 
@@ -172,18 +175,10 @@ class Preprocessor:
 
     def audio_pcm(self, data: bytes, rate: int, encoding: str, channels: int, where: str = "audio") -> Features:
         channels = channels or 1
-        width = {"s16le": 2, "f32le": 4}.get(encoding)
-        if width is None:
-            raise InvalidArgument(f"{where}: raw PCM needs an encoding (S16LE or F32LE)")
-        if not 1000 <= rate <= 384000:
-            raise InvalidArgument(f"{where}: sample rate {rate} is out of range")
-        if not 1 <= channels <= 16:
-            raise InvalidArgument(f"{where}: {channels} channels is out of range")
-        if not data or len(data) % (width * channels):
-            raise InvalidArgument(f"{where}: {len(data)} bytes is not a whole number of {channels}-channel {encoding} samples")
-        self._check_seconds(len(data) / (width * channels * rate), where)
-        pcm = np.frombuffer(data, "<i2" if width == 2 else "<f4").astype(np.float32)
-        if width == 2:
+        n = pcm_samples(len(data), rate, encoding, channels, where)
+        self._check_seconds(n / rate, where)
+        pcm = np.frombuffer(data, "<i2" if encoding == "s16le" else "<f4").astype(np.float32)
+        if encoding == "s16le":
             pcm /= 32768.0
         return self._audio(pcm.reshape(-1, channels).mean(axis=1), rate, where)
 
@@ -208,6 +203,20 @@ class Preprocessor:
         frames = int(out["attention_mask"][0].sum())
         mel = np.ascontiguousarray(out["input_features"][0][:, :frames], dtype=np.float32)
         return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames)
+
+
+def pcm_samples(nbytes: int, rate: int, encoding: str, channels: int, where: str) -> int:
+    """Samples per channel in `nbytes` of raw PCM, its layout checked."""
+    width = PCM_WIDTHS.get(encoding)
+    if width is None:
+        raise InvalidArgument(f"{where}: raw PCM needs an encoding (S16LE or F32LE)")
+    if not 1000 <= rate <= 384000:
+        raise InvalidArgument(f"{where}: sample rate {rate} is out of range")
+    if not 1 <= channels <= 16:
+        raise InvalidArgument(f"{where}: {channels} channels is out of range")
+    if not nbytes or nbytes % (width * channels):
+        raise InvalidArgument(f"{where}: {nbytes} bytes is not a whole number of {channels}-channel {encoding} samples")
+    return nbytes // (width * channels)
 
 
 def context_seconds(context: int, n_window: int) -> float:
