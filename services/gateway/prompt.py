@@ -61,9 +61,8 @@ class PromptBuilder:
         return (sum(1 for t in ids if t not in pads) + sum(m.num_tokens for m in media)
                 + 2 * sum(1 for m in media if m.with_audio))
 
-    def build(self, messages: list[dict], media: list[MediaRef]) -> Prompt:
-        """`messages` in chat-template form, their media parts in the order of `media`."""
-        ids = self.template(messages)
+    def build(self, ids: list[int], media: list[MediaRef]) -> Prompt:
+        """`ids` from `template`, their placeholders in the order of `media`."""
         pad_to_kind = {v: k for k, v in self.pad.items()}
         out: list[int] = []
         runs: list[list[tuple[int, int]]] = []

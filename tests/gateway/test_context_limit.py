@@ -162,7 +162,7 @@ def test_a_whole_prompts_header_count_is_its_decoded_length(sides):
                for i, m in enumerate(media)
                for f in prepare(pre, i, preprocess_pb2.MediaItem(**{type(m).__name__.lower(): m}))]
     assert [m.num_tokens for m in header] == [m.num_tokens for m in decoded]
-    assert prompts.length(ids, header) == len(prompts.build(messages, decoded).ids)
+    assert prompts.length(ids, header) == len(prompts.build(ids, decoded).ids)
 
 
 def test_unreadable_or_over_limit_items_count_nothing(sides):
@@ -177,3 +177,38 @@ def test_unreadable_or_over_limit_items_count_nothing(sides):
              omni_pb2.Audio(pcm=omni_pb2.RawPcm(data=bytes(32000), sample_rate=16000)),
              omni_pb2.Video(frames=[omni_pb2.Image(data=png(1, 32, 32))] * 65), omni_pb2.Video(file=b"\x00" * 1000)]
     assert [m.num_tokens for item in items for m in media_tokens(item, sizes, limits)] == [0] * len(items)
+
+
+def test_a_request_past_the_context_is_refused_before_the_preprocess_is_called(mesh):
+    """Items that fit alone, past the context together (an image and a clip; a video heard and an image): refused
+    with the count and the context, and the preprocess stage is never called for them, while requests with media
+    interleaved among them are served whole."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bad_requests import INVALID, media_past_the_context, user
+    from client_util import error_of, generate, metric
+
+    heard = user(("video_sound", video_file(2.0, 160, 120, sound="aac")), ("image", png(3, 640, 512)), ("text", "and?")).request()
+    good = user(("image", png(9)), ("text", "ok")).request(max_tokens=4)
+    expected = generate(mesh.gateway_address, good).token_ids
+    port = mesh.cfg.preprocess.replicas[0].metrics_port
+    before = metric(port, "omni_requests_total", method="Process")
+
+    def run(req):
+        t0 = time.perf_counter()
+        out = generate(mesh.gateway_address, req) if req is good else error_of(mesh.gateway_address, req)
+        return out, time.perf_counter() - t0
+
+    jobs = [media_past_the_context(), good, heard, good] * 4
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, jobs))
+    for req, (out, seconds) in zip(jobs, results):
+        if req is good:
+            assert out.token_ids == expected
+            continue
+        assert out is not None and out.code() == INVALID, out
+        assert "counted from their headers" in out.details() and "past the context of 512" in out.details(), out.details()
+        assert seconds < 1.0, seconds  # waits on no stage
+    served = sum(1 for req in jobs if req is good)
+    assert metric(port, "omni_requests_total", method="Process") - before == served, "the preprocess was called for a refused one"
