@@ -66,6 +66,11 @@ def heard_frames():
     return req
 
 
+def media_past_the_context():
+    """An image of 320 tokens and a clip of 195, each within every limit alone: with the text, past a context of 512."""
+    return user(("image", png(2, 640, 512)), ("audio", wav(8, seconds=15)), ("text", "both?")).request()
+
+
 def bad_requests():
     good_png, good_wav = png(5), wav(6)
     good_mp4, good_webm = video_file(1, 32, 32), video_file(1, 32, 32, "webm", "libvpx-vp9")
@@ -97,6 +102,8 @@ def bad_requests():
         "bad top_p": (_with(user(("text", "x")).request(), top_p=1.5), INVALID, "top_p"),
         "video frames differ": (user(("video", ([png(1, 64, 64), png(2, 32, 32)], 1.0)), ("text", "x")).request(), INVALID, "same size"),
         "text past the context": (user(("text", "y" * 9000)).request(), INVALID, "characters, more than a context of 512"),
+        "media past the context": (media_past_the_context(), INVALID,
+                                   "of them media, counted from their headers) + max_tokens 8 is past the context of 512"),
         "NaN audio samples": (user(("audio", nan_wav()), ("text", "x")).request(), INVALID, "media item 0: audio samples contain NaN"),
         "unknown output modality": (unknown_modality(), INVALID, "unknown modality 7"),
         "video too long": (user(("video", ([png(1, 32, 32)] * 9, 1.0)), ("text", "x")).request(), EXHAUSTED, "9 frames"),

@@ -20,8 +20,9 @@ from services.gateway.audio_out import ENCODINGS, AudioEncoder
 from services.gateway.detok import Detokenizer
 from services.gateway.prompt import MediaRef, PromptBuilder
 from services.gateway.router import LOAD_POLL_S, Endpoint, Router
-from services.gateway.validate import Resolved, resolve
+from services.gateway.validate import Resolved, check_context, resolve
 from services.llm.sampling import sampling_to_proto
+from services.model.media_tokens import MediaSizes
 from services.model.spec import OmniSpec
 from services.runtime.admission import Gate, slots
 from services.runtime.config import MeshConfig
@@ -121,6 +122,7 @@ class Gateway:
         self.cfg = cfg
         self.spec = OmniSpec.load(cfg.model.dir)
         self.prompts = PromptBuilder(cfg.model.dir, self.spec)
+        self.sizes = MediaSizes.load(cfg.model.dir, self.spec.n_window)
         poll, routing, sec = LOAD_POLL_S, cfg.gateway.routing, cfg.security
         self.preprocess = Router(cfg.preprocess.replicas, preprocess_pb2_grpc.PreprocessStub, poll_s=poll,
                                  stage="preprocess", security=sec)
@@ -161,21 +163,23 @@ class Gateway:
         progress = progress or Progress(time.perf_counter(), timeout)
         self.thinker_gate.refuse_early(timeout)
         r = resolve(req, self.spec, self.cfg.limits, self.talkers is not None, self.prompts.check_text)
+        # Off the event loop, and outside the gate: a request past the context waits for no slot to be refused
+        ids = await asyncio.to_thread(check_context, r, self.prompts, self.sizes, self.cfg.limits, self.max_context)
         async with self.thinker_gate.enter(progress.left()):
             if not r.want_audio:
-                async with aclosing(self._generate(req, r, progress)) as responses:
+                async with aclosing(self._generate(req, r, ids, progress)) as responses:
                     async for response in responses:
                         yield response
                 return
-            async with self.talker_gate.enter(progress.left()), aclosing(self._generate(req, r, progress)) as responses:
+            async with self.talker_gate.enter(progress.left()), aclosing(self._generate(req, r, ids, progress)) as responses:
                 async for response in responses:
                     yield response
 
-    async def _generate(self, req: omni_pb2.GenerateRequest, r: Resolved, progress: Progress):
+    async def _generate(self, req: omni_pb2.GenerateRequest, r: Resolved, ids: list[int], progress: Progress):
         rid = req.request_id or uuid.uuid4().hex
         thinker_ep = self.thinkers.pick("audio" if r.want_audio else "text")
         talker_ep = self.talkers.pick() if r.want_audio else None
-        spans, prompt = await self._prompt(rid, r, thinker_ep, progress)
+        spans, prompt = await self._prompt(rid, r, ids, thinker_ep, progress)
         progress.prompt_tokens = len(prompt.ids)
         treq = thinker_pb2.ThinkerRequest(
             request_id=rid, prompt_ids=prompt.ids, positions=prompt.positions.reshape(-1).tolist(), rope_delta=prompt.rope_delta,
@@ -211,16 +215,17 @@ class Gateway:
         finished = omni_pb2.Finished(reason=progress.reason, usage=progress.usage())
         yield omni_pb2.GenerateResponse(request_id=rid, finished=finished)
 
-    def _build_prompt(self, r: Resolved, media: list[MediaRef]):
-        prompt = self.prompts.build(r.messages, media)
+    def _build_prompt(self, r: Resolved, ids: list[int], media: list[MediaRef]):
+        prompt = self.prompts.build(ids, media)
         if len(prompt.ids) + r.thinker.max_tokens > self.max_context:
             raise InvalidArgument(f"prompt of {len(prompt.ids)} tokens + max_tokens {r.thinker.max_tokens} is past the context of {self.max_context}")
         return prompt
 
-    async def _prompt(self, rid: str, r: Resolved, thinker_ep: Endpoint, progress: Progress):
-        """Preprocess the media, lay out the prompt around them (refused here if too long), then encode."""
-        if not r.media:  # tokenising is off the event loop, which serves every other request meanwhile
-            return [], await asyncio.to_thread(self._build_prompt, r, [])
+    async def _prompt(self, rid: str, r: Resolved, ids: list[int], thinker_ep: Endpoint, progress: Progress):
+        """Preprocess the media, lay out the prompt around them (refused here if the decoded media make it too
+        long), then encode."""
+        if not r.media:  # laid out off the event loop, which serves every other request meanwhile
+            return [], await asyncio.to_thread(self._build_prompt, r, ids, [])
         encoder_ep = self.encoders.pick("audio" if r.want_audio else "text")
         pre_ep = self.preprocess.pick()
         items = [preprocess_pb2.MediaItem(**{type(m).__name__.lower(): m}) for m in r.media]
@@ -233,7 +238,7 @@ class Gateway:
         progress.timings["gateway_preprocess"] = time.perf_counter() - t0
         media = [MediaRef(MEDIA_KINDS[f.kind], f.num_tokens, tuple(f.grid_thw) or None, f.feature_length,
                           f.exact_second_per_grid or f.second_per_grid, f.with_audio) for f in pre.items]
-        prompt = await asyncio.to_thread(self._build_prompt, r, media)
+        prompt = await asyncio.to_thread(self._build_prompt, r, ids, media)
         t0 = time.perf_counter()
         with self.encoders.use(encoder_ep):
             enc = await encoder_ep.stub.Encode(

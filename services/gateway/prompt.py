@@ -49,11 +49,20 @@ class PromptBuilder:
         if found := self.reserved.search(text):
             raise InvalidArgument(f"{where}: text contains the reserved token {found.group(0)}")
 
-    def build(self, messages: list[dict], media: list[MediaRef]) -> Prompt:
-        """`messages` in chat-template form, their media parts in the order of `media`."""
+    def template(self, messages: list[dict]) -> list[int]:
+        """`messages` in chat-template form through the chat template: one placeholder per media part."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):
-            ids = list(ids["input_ids"])
+        return ids if isinstance(ids, list) else list(ids["input_ids"])
+
+    def length(self, ids: list[int], media: list[MediaRef]) -> int:
+        """len(build(ids, media).ids), nothing built: each placeholder takes its item's tokens, a video heard its
+        soundtrack's too between <|audio_start|> and <|audio_end|>."""
+        pads = set(self.pad.values())
+        return (sum(1 for t in ids if t not in pads) + sum(m.num_tokens for m in media)
+                + 2 * sum(1 for m in media if m.with_audio))
+
+    def build(self, ids: list[int], media: list[MediaRef]) -> Prompt:
+        """`ids` from `template`, their placeholders in the order of `media`."""
         pad_to_kind = {v: k for k, v in self.pad.items()}
         out: list[int] = []
         runs: list[list[tuple[int, int]]] = []

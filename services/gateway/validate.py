@@ -3,8 +3,11 @@
 from dataclasses import dataclass
 
 from omni.v1 import omni_pb2
+from services.gateway.prompt import MediaRef, PromptBuilder
 from services.llm.sampling import SamplingParams
+from services.model.media_tokens import MediaSizes
 from services.model.spec import OmniSpec
+from services.preprocess import headers
 from services.runtime.config import Limits
 from services.runtime.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
@@ -112,3 +115,56 @@ def resolve(req: omni_pb2.GenerateRequest, spec: OmniSpec, limits: Limits, talke
         raise InvalidArgument(f"unknown audio_format {req.audio_format}")
     return Resolved(messages, media, omni_pb2.MODALITY_TEXT in modalities, want_audio, voice, thinker, talker,
                     req.audio_format or omni_pb2.AUDIO_FORMAT_PCM16, list(req.sampling.stop), req.return_codec_codes)
+
+
+def check_context(r: Resolved, prompts: PromptBuilder, sizes: MediaSizes, limits: Limits, context: int) -> list[int]:
+    """The prompt's template ids; refuses, before any media is decoded, a request whose text, media (counted from
+    their headers) and max_tokens are past the context."""
+    ids = prompts.template(r.messages)
+    media = [ref for m in r.media for ref in media_tokens(m, sizes, limits)]
+    n = prompts.length(ids, media)
+    if n + r.thinker.max_tokens > context:
+        of_media = sum(m.num_tokens for m in media)
+        counted = f" ({of_media} of them media, counted from their headers)" if of_media else ""
+        raise InvalidArgument(f"prompt of {n} tokens{counted} + max_tokens {r.thinker.max_tokens} is past the context "
+                              f"of {context}")
+    return ids
+
+
+def media_tokens(m, sizes: MediaSizes, limits: Limits) -> list[MediaRef]:
+    """An item's tokens from its header alone, as the preprocess will lay it out (a video heard: its frames, then its
+    soundtrack)."""
+    kind = type(m).__name__.lower()
+    heard = kind == "video" and m.use_audio_in_video
+    try:
+        refs = _counted(kind, m, sizes, limits)
+    except ValueError:  # a shape the processor refuses
+        refs = None
+    # Its header cannot size it, or it is past its own limits: none counted, the preprocess refuses it in its own words
+    return refs or [MediaRef(kind, 0, with_audio=heard)] + ([MediaRef("audio", 0)] if heard else [])
+
+
+def _counted(kind: str, m, sizes: MediaSizes, limits: Limits) -> list[MediaRef] | None:
+    if kind == "image":
+        size = headers.image_size(m.data)
+        if size is None or size[0] * size[1] > limits.max_image_pixels:
+            return None
+        grid = sizes.grid(*size)
+        return [MediaRef("image", sizes.vision_tokens(grid), grid)]
+    if kind == "audio":
+        sound = headers.sound(m, sizes.sample_rate)
+        return [_sound(sound.samples, sizes)] if sound and sound.seconds <= limits.max_audio_seconds else None
+    f = headers.frames(m, sizes.temporal, sizes.sample_rate)
+    if (f is None or not 0 < f.count <= limits.max_video_frames or f.width * f.height > limits.max_image_pixels
+            or max(f.seconds, f.sound.seconds if f.sound else 0.0) > limits.max_audio_seconds
+            or len(m.file) > limits.max_request_bytes):
+        return None
+    grid = sizes.grid(f.width, f.height, f.count)
+    video = MediaRef("video", sizes.vision_tokens(grid), grid, with_audio=m.use_audio_in_video)
+    if not m.use_audio_in_video:
+        return [video]
+    return [video, _sound(f.sound.samples, sizes) if f.sound else MediaRef("audio", 0)]
+
+
+def _sound(samples: int, sizes: MediaSizes) -> MediaRef:
+    return MediaRef("audio", sizes.sound_tokens(samples), feature_length=sizes.mel_frames(samples))

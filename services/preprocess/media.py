@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omni.v1 import omni_pb2
+from services.model.media_tokens import MediaSizes
 from services.model.spec import audio_tokens
 from services.preprocess.audio_in import decode_file, resample, too_long
 from services.preprocess.video_in import SAMPLE_FPS, decode_video
@@ -21,11 +23,9 @@ from services.runtime.config import Limits
 from services.runtime.errors import InvalidArgument, ResourceExhausted
 
 IMAGE_FORMATS = {"PNG", "JPEG", "WEBP"}
+PCM_ENCODINGS = {omni_pb2.PCM_ENCODING_S16LE: "s16le", omni_pb2.PCM_ENCODING_F32LE: "f32le"}
+PCM_WIDTHS = {"s16le": 2, "f32le": 4}
 SAMPLE_RATE = 16000
-# transformers' Qwen3-Omni video defaults (Qwen3OmniMoeProcessorKwargs)
-VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
-# transformers' Qwen2VLVideoProcessor max_video_tokens: a whole video's pixel budget is 90% of this many tokens'
-VIDEO_MAX_TOKENS = 128000
 
 
 @dataclass
@@ -81,30 +81,24 @@ class Preprocessor:
         self.audio = WhisperFeatureExtractor.from_pretrained(model_dir)
         self.model_dir, self.limits, self.n_window = model_dir, limits, n_window
         self.merge = self.images.merge_size
+        self.sizes = MediaSizes.of(self.images, self.audio, n_window)
         self.context = context
         # The longest audio whose tokens fit the context (mel frames are 100 a second)
         self.context_seconds = context_seconds(context, n_window) if context else float("inf")
 
     def _resized(self, w: int, h: int, where: str, frames: int = 0) -> tuple[int, int]:
         """(height, width) the processor resizes a `w` x `h` image, or a frame of a video of `frames`, to."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        ip = self.images
-        factor = ip.patch_size * self.merge
-        lo, hi = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS) if frames else (ip.size["shortest_edge"], ip.size["longest_edge"])
-        if frames:  # each frame's even share of the video's budget, as Qwen2VLVideoProcessor.resize(cap_pixels_per_frame)
-            total = int(VIDEO_MAX_TOKENS * factor * factor * 0.9)
-            hi = max(min(hi, total * ip.temporal_patch_size // frames), int(lo * 1.05))
         try:
-            return smart_resize(h, w, factor=factor, min_pixels=lo, max_pixels=hi)
+            return self.sizes.resized(w, h, frames)
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}") from None
 
     def _check_tokens(self, w: int, h: int, frames: int, where: str) -> None:
         """Refuses, from the header, an image or video whose tokens alone are past the context."""
-        rh, rw = self._resized(w, h, where, frames)
-        t = max(1, -(-frames // self.images.temporal_patch_size))
-        tokens = t * rh * rw // (self.images.patch_size * self.merge) ** 2
+        try:
+            tokens = self.sizes.vision_tokens(self.sizes.grid(w, h, frames))
+        except ValueError as e:
+            raise InvalidArgument(f"{where}: {e}") from None
         if self.context and tokens > self.context:
             raise InvalidArgument(f"{where}: {w}x{h} makes {tokens} tokens, more than the context of {self.context} holds")
 
@@ -182,18 +176,10 @@ class Preprocessor:
 
     def audio_pcm(self, data: bytes, rate: int, encoding: str, channels: int, where: str = "audio") -> Features:
         channels = channels or 1
-        width = {"s16le": 2, "f32le": 4}.get(encoding)
-        if width is None:
-            raise InvalidArgument(f"{where}: raw PCM needs an encoding (S16LE or F32LE)")
-        if not 1000 <= rate <= 384000:
-            raise InvalidArgument(f"{where}: sample rate {rate} is out of range")
-        if not 1 <= channels <= 16:
-            raise InvalidArgument(f"{where}: {channels} channels is out of range")
-        if not data or len(data) % (width * channels):
-            raise InvalidArgument(f"{where}: {len(data)} bytes is not a whole number of {channels}-channel {encoding} samples")
-        self._check_seconds(len(data) / (width * channels * rate), where)
-        pcm = np.frombuffer(data, "<i2" if width == 2 else "<f4").astype(np.float32)
-        if width == 2:
+        n = pcm_samples(len(data), rate, encoding, channels, where)
+        self._check_seconds(n / rate, where)
+        pcm = np.frombuffer(data, "<i2" if encoding == "s16le" else "<f4").astype(np.float32)
+        if encoding == "s16le":
             pcm /= 32768.0
         return self._audio(pcm.reshape(-1, channels).mean(axis=1), rate, where)
 
@@ -218,6 +204,20 @@ class Preprocessor:
         frames = int(out["attention_mask"][0].sum())
         mel = np.ascontiguousarray(out["input_features"][0][:, :frames], dtype=np.float32)
         return Features("audio", mel, audio_tokens(frames, self.n_window), feature_length=frames)
+
+
+def pcm_samples(nbytes: int, rate: int, encoding: str, channels: int, where: str) -> int:
+    """Samples per channel in `nbytes` of raw PCM, its layout checked."""
+    width = PCM_WIDTHS.get(encoding)
+    if width is None:
+        raise InvalidArgument(f"{where}: raw PCM needs an encoding (S16LE or F32LE)")
+    if not 1000 <= rate <= 384000:
+        raise InvalidArgument(f"{where}: sample rate {rate} is out of range")
+    if not 1 <= channels <= 16:
+        raise InvalidArgument(f"{where}: {channels} channels is out of range")
+    if not nbytes or nbytes % (width * channels):
+        raise InvalidArgument(f"{where}: {nbytes} bytes is not a whole number of {channels}-channel {encoding} samples")
+    return nbytes // (width * channels)
 
 
 def context_seconds(context: int, n_window: int) -> float:

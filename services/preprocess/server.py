@@ -16,9 +16,8 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from omni.stage.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
-from omni.v1 import omni_pb2
 from services.model.spec import OmniSpec
-from services.preprocess.media import Features, Preprocessor
+from services.preprocess.media import PCM_ENCODINGS, Features, Preprocessor
 from services.runtime import admission
 from services.runtime.config import Limits, MeshConfig
 from services.runtime.errors import InvalidArgument, OmniError, ResourceExhausted
@@ -27,7 +26,6 @@ from services.runtime.server import Stage, add_service, timings
 from services.runtime.transport import Transport
 
 KINDS = {"image": common_pb2.MEDIA_KIND_IMAGE, "audio": common_pb2.MEDIA_KIND_AUDIO, "video": common_pb2.MEDIA_KIND_VIDEO}
-PCM = {omni_pb2.PCM_ENCODING_S16LE: "s16le", omni_pb2.PCM_ENCODING_F32LE: "f32le"}
 
 
 log = logging.getLogger(__name__)
@@ -55,7 +53,7 @@ def prepare(pre: Preprocessor, index: int, item: preprocess_pb2.MediaItem) -> li
             return [pre.audio_file(item.audio.file, where)]
         if source == "pcm":
             p = item.audio.pcm
-            return [pre.audio_pcm(p.data, p.sample_rate, PCM.get(p.encoding, ""), p.channels, where)]
+            return [pre.audio_pcm(p.data, p.sample_rate, PCM_ENCODINGS.get(p.encoding, ""), p.channels, where)]
         raise InvalidArgument(f"{where}: audio has neither a file nor PCM")
     raise InvalidArgument(f"{where}: empty media item")
 

@@ -27,6 +27,7 @@ from bad_requests import bad_requests
 SAME_MESSAGE = ["corrupt image", "truncated image", "unsupported image format", "image too thin", "decompression bomb",
                 "corrupt audio", "truncated audio", "audio too long", "too many media", "reserved token in text",
                 "unknown voice", "max tokens over limit", "past the context", "bad top_p", "text past the context",
+                "media past the context",
                 "corrupt video file", "truncated webm file", "unsupported video codec", "video file too long",
                 "video file frames", "video frame pixels", "silent video heard", "garbled soundtrack heard"]
 
@@ -52,6 +53,21 @@ def test_every_bad_media_case_is_400_with_the_grpc_message(mesh, client):
             create(client, as_chat(req))
         assert e.value.status_code == 400 and _unaddressed(e.value.body["message"]) == _unaddressed(expected), name
         assert e.value.body["type"] == "invalid_request_error", name
+
+
+def test_media_past_the_context_is_400_before_the_preprocess_is_called(mesh, api):
+    """Counted from the media's headers at the gateway: OpenAI's error body naming the count and the context, and no
+    call to the preprocess stage."""
+    from bad_requests import media_past_the_context
+
+    port = mesh.cfg.preprocess.replicas[0].metrics_port
+    before = metric(port, "omni_requests_total", method="Process")
+    r = post(api.url, as_chat(media_past_the_context()))
+    error = r.json()["error"]
+    assert r.status_code == 400 and set(error) == {"message", "type", "param", "code"}, r.text
+    assert error["type"] == "invalid_request_error"
+    assert "counted from their headers" in error["message"] and "past the context of 512" in error["message"], error
+    assert metric(port, "omni_requests_total", method="Process") == before
 
 
 IMAGE = "data:image/png;base64," + base64.b64encode(png(1)).decode()
