@@ -36,7 +36,7 @@ async def one(stub, req, timeout: float) -> dict:
             elif kind == "audio" and out["ttfa"] is None:
                 out["ttfa"] = time.perf_counter() - t0
     except grpc.aio.AioRpcError as e:
-        out["status"] = e.code().name
+        out["status"], out["details"] = e.code().name, e.details()
     out["latency"] = time.perf_counter() - t0
     return out
 
@@ -83,10 +83,14 @@ def pct(values, q) -> float | None:
 def summary(results: list[dict], seconds: float) -> dict:
     ok = [r for r in results if r["status"] == "OK"]
     refused = [r for r in results if r["status"] == "RESOURCE_EXHAUSTED"]
-    statuses = {}
+    statuses, errors = {}, {}
     for r in results:
         statuses[r["status"]] = statuses.get(r["status"], 0) + 1
-    return {"offered": len(results), "statuses": statuses, "goodput_rps": len(ok) / seconds,
+        if r["status"] not in ("OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"):  # the unexpected ones, in words
+            kept = errors.setdefault(r["status"], [])
+            if r.get("details") not in kept and len(kept) < 3:
+                kept.append(r.get("details"))
+    return {"offered": len(results), "statuses": statuses, "errors": errors, "goodput_rps": len(ok) / seconds,
             "ttft_p50": pct([r["ttft"] for r in ok], 50), "ttft_p99": pct([r["ttft"] for r in ok], 99),
             "ttfa_p50": pct([r["ttfa"] for r in ok], 50), "ttfa_p99": pct([r["ttfa"] for r in ok], 99),
             "latency_p99": pct([r["latency"] for r in ok], 99),
