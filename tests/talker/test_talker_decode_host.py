@@ -61,3 +61,14 @@ def test_captured_frame_steps_of_preempted_requests_give_transformers_codes(tiny
         assert seq.frames == data[name]["codes"] and seq.frames, name
     assert engine.scheduler.preemptions > 0 and engine.decode.replays >= FRAMES - 1
     assert engine.scheduler.allocator.used == 0 and not engine.states
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_captured_frame_steps_repeat_on_one_engine(tiny_model, cases, monkeypatch, overlap):
+    """The same four requests three times on one engine: every run gives transformers' codes, so nothing a run
+    leaves in the graphs' buffers, plans or the cache reaches the next."""
+    data, spec = cases
+    engine = captured(tiny_model, monkeypatch, 4, overlap=overlap, block_size=4, step_graphs=0)
+    for run in range(3):
+        seqs, _ = speak(engine, data, spec, list(data))
+        assert [n for n, s in seqs.items() if s.frames != data[n]["codes"]] == [], run
