@@ -77,6 +77,26 @@ async def input_tokens_of(door, clip: bytes, vad: bool) -> int:
     return done.usage.input_tokens
 
 
+async def until_busy(conn, load) -> None:
+    """Until the answer's audio flows and both the thinker and the talker hold work."""
+    await until(conn, "response.output_audio.delta")
+    while not await load.busy("thinker0", "talker0"):
+        await until(conn, "response.output_audio.delta")
+
+
+async def a_long_answer(conn, load) -> None:
+    """A client-committed turn whose answer runs long, under way in every stage."""
+    await until(conn, "session.created")
+    await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
+                                       "sampling": {"ignore_eos": True}, "max_output_tokens": 250,
+                                       "talker": {"ignore_eos": True, "max_tokens": 1000}})
+    await until(conn, "session.updated")
+    await append(conn, speech_clip(0.5))
+    await conn.input_audio_buffer.commit()
+    await conn.response.create()
+    await until_busy(conn, load)
+
+
 def test_three_turns_through_openai_realtime_client(door):
     async def talk():
         async with connect(door) as conn:
@@ -136,17 +156,7 @@ def test_response_cancel_frees_every_stage(door, native_mesh):
     async def talk():
         load = Load(native_mesh)
         async with connect(door) as conn:
-            await until(conn, "session.created")
-            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
-                                               "sampling": {"ignore_eos": True}, "max_output_tokens": 250,
-                                               "talker": {"ignore_eos": True, "max_tokens": 1000}})
-            await until(conn, "session.updated")
-            await append(conn, speech_clip(0.5))
-            await conn.input_audio_buffer.commit()
-            await conn.response.create()
-            await until(conn, "response.output_audio.delta")
-            while not await load.busy("thinker0", "talker0"):
-                await until(conn, "response.output_audio.delta")
+            await a_long_answer(conn, load)
             t0 = time.perf_counter()
             await conn.response.cancel()
             freed = await load.freed_within(t0)
@@ -255,17 +265,7 @@ def test_a_websocket_that_closes_frees_every_stage(door, native_mesh):
     async def talk():
         load = Load(native_mesh)
         async with connect(door) as conn:
-            await until(conn, "session.created")
-            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
-                                               "sampling": {"ignore_eos": True}, "max_output_tokens": 250,
-                                               "talker": {"ignore_eos": True, "max_tokens": 1000}})
-            await until(conn, "session.updated")
-            await append(conn, speech_clip(0.5))
-            await conn.input_audio_buffer.commit()
-            await conn.response.create()
-            await until(conn, "response.output_audio.delta")
-            while not await load.busy("thinker0", "talker0"):
-                await until(conn, "response.output_audio.delta")
+            await a_long_answer(conn, load)
             t0 = time.perf_counter()
         freed = await load.freed_within(t0)
         await load.close()
@@ -329,9 +329,7 @@ def test_speaking_over_an_answer_stops_it_everywhere(door, native_mesh):
                                                "talker": {"ignore_eos": True, "max_tokens": 1000}})
             await until(conn, "session.updated")
             await append(conn, speech_clip(0.6, 0, silence_s=0.8))
-            await until(conn, "response.output_audio.delta")
-            while not await load.busy("thinker0", "talker0"):
-                await until(conn, "response.output_audio.delta")
+            await until_busy(conn, load)
             t0 = time.perf_counter()
             await append(conn, speech_clip(0.8, 1))
             freed = await load.freed_within(t0)
