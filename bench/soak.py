@@ -121,14 +121,18 @@ def _client(address: str, stop: threading.Event, worker: int, soak: Soak, lock: 
             i += 7  # workers' kinds drift apart, so every mix of kinds shares steps
 
 
-def warm(address: str, clients: int) -> None:
+def warm(address: str, clients: int, seconds: float = 300.0) -> None:
     """Every batch the soak can make, made once first: what a stage keeps for a new batch size (its buffers, plans
-    and graphs) is allocated here, and not read later as growth."""
+    and graphs) is allocated here, and not read later as growth. Bounded by `seconds` in all."""
+    deadline = time.monotonic() + seconds
     with grpc.insecure_channel(address) as ch:
         stub = omni_pb2_grpc.OmniStub(ch)
         for kind in ("speech", "image", "audio", "text"):
             for n in range(1, clients + 1):
-                calls = [stub.Generate(request(kind, i), timeout=60) for i in range(n)]
+                timeout = min(60.0, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise TimeoutError(f"the soak's warm-up took over {seconds:.0f} s (at {kind} x {n})")
+                calls = [stub.Generate(request(kind, i), timeout=timeout) for i in range(n)]
                 for call in calls:
                     for _ in call:
                         pass

@@ -55,6 +55,15 @@ def end_group(pgid: int, grace: float = CLEANUP_GRACE_S) -> None:
             time.sleep(0.05)
 
 
+def _reap(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """A killed process's exit code; -9 if it has not gone yet (stuck in the kernel), so no caller waits forever."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.error("pid %d has not exited %.0f s after SIGKILL", proc.pid, timeout)
+        return -signal.SIGKILL
+
+
 @dataclass
 class Watch:
     """One process's supervision: its deaths, when to start it again, whether it has served since it started."""
@@ -182,7 +191,7 @@ class Mesh:
 
     def _kill(self, name: str, proc: subprocess.Popen, why: str) -> None:
         proc.kill()
-        proc.wait()
+        _reap(proc)
         self._died(name, proc, why)
 
     def down(self) -> list[str]:
@@ -213,7 +222,7 @@ class Mesh:
         """Stops every process (SIGTERM, then SIGKILL after `grace`); returns their exit codes."""
         self._stopping.set()
         if self._supervisor is not None:
-            self._supervisor.join()
+            self._supervisor.join(timeout=grace)  # a look under way ends within its probes' timeouts
             self._supervisor = None
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -225,7 +234,7 @@ class Mesh:
                 codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                codes[name] = proc.wait()
+                codes[name] = _reap(proc)
             end_group(proc.pid, grace=1.0)
         self.procs.clear()
         self.watches.clear()
