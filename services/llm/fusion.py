@@ -20,15 +20,24 @@ class fusable:
         return self.fn(*args, **kwargs)
 
 
-def fuse(enabled: bool = True) -> None:
-    """Every fusable function compiled (or plain again)."""
+def compiled(fn: Callable) -> Callable:
+    """`fn` compiled as the engines compile: shapes dynamic, rounding as eager's, one variant per kind of shape."""
     import torch._inductor.config as inductor
+    import torch.fx.experimental._config as symbolic
 
     inductor.emulate_precision_casts = True  # round where eager rounds: the same numbers
+    # Each size its own symbol: with equal sizes sharing one, a later, wider variant takes over the shapes an earlier
+    # one served, and a run's numbers would depend on the shapes that came before it
+    symbolic.use_duck_shape = False
     # A variant per model and special row count: past dynamo's default limit a function would run eagerly
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, dynamic=True)
+
+
+def fuse(enabled: bool = True) -> None:
+    """Every fusable function compiled (or plain again)."""
     for f in _FUSABLE:
         if not enabled:
             f.fn = f.plain
         elif f.fn is f.plain:  # once per process
-            f.fn = torch.compile(f.plain, dynamic=True)
+            f.fn = compiled(f.plain)
