@@ -6,7 +6,9 @@ the spoken answer; after its turns, one barge-in: speech sent over an answer.
 
 A cell (one session count): `first_audio_*`, from the `committed` event to the answer's first audio chunk;
 `barge_in_*`, from the first interrupting chunk sent to the interrupted answer's last audio chunk received (the
-detector's own `speech_ms` included); the turns each session completed and its failures.
+detector's own `speech_ms` included; 0 where the last chunk came before it); `stopped_*`, from the detector's
+`speech_started` to the interrupted turn's `done`; the turns each session completed and its failures. The answer
+spoken over is `--barge-frames` long, so it is still being made when the user speaks.
 """
 
 import argparse
@@ -69,7 +71,7 @@ class Session:
 
 
 async def one(stub, index: int, args) -> dict:
-    out = {"first_audio": [], "barge_in": None, "turns": 0, "failures": []}
+    out = {"first_audio": [], "barge_in": None, "stopped": None, "turns": 0, "failures": []}
     s = Session(stub, index)
     speech = voiced(args.speech_seconds, RATE, seed=index)
     silence = np.zeros(int(args.silence_seconds * RATE), "<i2")
@@ -87,17 +89,23 @@ async def one(stub, index: int, args) -> dict:
             out["first_audio"].append(first - committed)
             done, _ = await s.until("done", timeout)
             out["turns"] += 1
+        # The answer spoken over is long: still being made when the detector hears the user
+        await s.call.write(omni_pb2.ConverseRequest(settings=settings(args.tokens, args.barge_frames)))
+        await s.until("session", timeout)
         await s.speak(speech)
         speaking = asyncio.ensure_future(s.speak(silence))
         await s.until("committed", timeout)
         r, _ = await s.until("audio", timeout)
         await speaking
         await asyncio.sleep(args.barge_after)
-        sent = await s.speak(speech)  # over the answer
-        done, _ = await s.until("done", timeout)
+        barge = asyncio.ensure_future(s.speak(speech))  # over the answer
+        _, started = await s.until("speech_started", timeout)
+        done, done_at = await s.until("done", timeout)
+        sent = await barge
         heard = s.audio_at.get(r.turn_id, [])
         if done.done.status == omni_pb2.TURN_STATUS_INTERRUPTED and heard:
             out["barge_in"] = max(heard[-1] - sent, 0.0)
+            out["stopped"] = done_at - started
     except (grpc.aio.AioRpcError, asyncio.TimeoutError, RuntimeError) as e:
         out["failures"].append(f"{type(e).__name__}: {e}")
     finally:
@@ -117,9 +125,11 @@ async def cell(address: str, n: int, args) -> dict:
         results = await asyncio.gather(*(one(stub, i, args) for i in range(n)))
     first = [x for r in results for x in r["first_audio"]]
     barge = [r["barge_in"] for r in results if r["barge_in"] is not None]
+    stopped = [r["stopped"] for r in results if r["stopped"] is not None]
     return {"sessions": n, "seconds": time.perf_counter() - t0, "turns": sum(r["turns"] for r in results),
             "first_audio_p50": pct(first, 50), "first_audio_p99": pct(first, 99),
             "barge_in_p50": pct(barge, 50), "barge_in_p99": pct(barge, 99), "barge_ins": len(barge),
+            "stopped_p50": pct(stopped, 50), "stopped_p99": pct(stopped, 99),
             "failures": [f for r in results for f in r["failures"]][:20]}
 
 
@@ -138,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=64, help="an answer's text tokens")
     p.add_argument("--frames", type=int, default=63, help="an answer's codec frames (12.5 a second: 5 s)")
     p.add_argument("--barge-after", type=float, default=0.5, help="seconds into an answer's audio the user speaks")
+    p.add_argument("--barge-frames", type=int, default=750, help="the codec frames of the answer spoken over (60 s)")
     p.add_argument("--turn-timeout", type=float, default=120.0)
     p.add_argument("--log-dir", default=None)
     args = p.parse_args(argv)

@@ -19,3 +19,4 @@ def test_realtime_sessions_are_timed_from_the_commit_and_barge_in(mesh, tmp_path
         assert 0 < c["first_audio_p50"] <= c["first_audio_p99"] < 10.0, c
         # every answer is cut by the speech over it, long before its 400 frames end
         assert c["barge_ins"] == c["sessions"] and 0 <= c["barge_in_p50"] <= c["barge_in_p99"] < 3.0, c
+        assert 0 <= c["stopped_p50"] <= c["stopped_p99"] < 1.0, c  # the detector's start ends the turn at once
